@@ -1,0 +1,142 @@
+"""One batch's life on a rank, as pure-ish steps run on the lane: open, materialize, agree,
+release, engine, results. The same code runs on every rank; only ``unlinks`` differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+import torch
+
+from . import consensus
+from .engine import Engine, EngineInput
+from .errors import describe
+from .faults import Faults
+from .log import event
+from .protocol import ABORTED, INTERNAL, OK, Request, result
+from .transport import Feature, open_feature
+
+
+@dataclass
+class Batch:
+    seq: int
+    requests: list[Request] = field(default_factory=list)
+    stop: bool = False
+
+    def encode(self) -> bytes:
+        return msgpack.packb([self.seq, self.stop, [r.wire() for r in self.requests]], use_bin_type=True)
+
+    @classmethod
+    def decode(cls, buf) -> "Batch":
+        seq, stop, reqs = msgpack.unpackb(buf, raw=False)
+        return cls(seq, [Request.from_wire(w) for w in reqs], stop)
+
+
+@dataclass
+class StepStats:
+    """What one step did, for logs and metrics."""
+
+    opened: int = 0
+    failed: int = 0
+    unlinked: int = 0
+    feature_bytes: int = 0
+
+
+def digest_prefix(digests: list[str]) -> int:
+    """8 bytes standing for a request's item digests, to compare across ranks in the consensus."""
+    h = hashlib.sha256("".join(digests).encode()).digest()
+    return int.from_bytes(h[:8], "little", signed=True)
+
+
+class BatchRunner:
+    """Runs one batch on this rank. ``is_aborted`` is the leader's view of client aborts."""
+
+    def __init__(self, group, engine: Engine, faults: Faults, unlinks: bool, sessions=None,
+                 is_aborted=lambda req: False):
+        self.group, self.engine, self.faults = group, engine, faults
+        self.unlinks, self.sessions, self.is_aborted = unlinks, sessions, is_aborted
+
+    def run(self, batch: Batch) -> tuple[list[dict], StepStats]:
+        reqs, stats = batch.requests, StepStats()
+        n = len(reqs)
+        # 1. open every feature; errors stay on the feature
+        opened = [[open_feature(it, r.rid, self.faults, self.sessions) for it in r.items] for r in reqs]
+        # 2. materialize into owned memory; a failure is recorded, never raised
+        flags = np.zeros(n, dtype=np.int64)
+        errors: dict[int, str] = {}
+        tensors: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        digests: list[list[str]] = [[] for _ in range(n)]
+        prefixes = torch.zeros(n, 1, dtype=torch.int64)
+        for i, (req, feats) in enumerate(zip(reqs, opened)):
+            if self.is_aborted(req):
+                flags[i] = consensus.ABORTED
+                continue
+            try:
+                tensors[i] = [f.materialize() for f in feats]
+            except Exception as exc:
+                flags[i], errors[i] = consensus.FAILED, describe(exc)
+                tensors[i] = []
+                continue
+            if req.want_digest:
+                digests[i] = [hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+                              for t in tensors[i]]
+                prefixes[i, 0] = digest_prefix(digests[i])
+        # 3. agree: one collective; the barrier before anyone unlinks
+        verdict = consensus.agree(self.group, flags, errors, extra=prefixes)
+        mismatch = (verdict.extra[:, :, 0] != verdict.extra[0:1, :, 0]).numpy()
+        # 4. release: every rank closes, the leader unlinks each owned segment once
+        stats.opened = sum(len(f) for f in opened)
+        seen: set[str] = set()
+        for feats in opened:
+            for f in feats:
+                name = f.item.owned_segment
+                first = name is not None and name not in seen
+                if first:
+                    seen.add(name)
+                f.release(unlink=self.unlinks and first)
+        stats.unlinked = len(seen) if self.unlinks else 0
+        # 5. engine step on what survived everywhere (its own collective agrees late aborts)
+        out: list[dict | None] = [None] * n
+        live = [i for i in range(n) if verdict.ok(i) and not mismatch[:, i].any()]
+        slot = {i: j for j, i in enumerate(live)}
+        if live:
+            eflags = np.array([consensus.ABORTED if self.is_aborted(reqs[i]) else 0 for i in live], dtype=np.int64)
+            inputs = [EngineInput(reqs[i], tensors[i]) for i in live]
+            outputs, everdict = self.engine.step(self.group, inputs, eflags, self.faults)
+        # 6. results (built on every rank, sent by the leader)
+        results = []
+        for i, req in enumerate(reqs):
+            if verdict.aborted(i):
+                results.append(result(req.rid, ABORTED, "aborted by client"))
+            elif not verdict.ok(i):
+                ranks = verdict.failed_ranks(i)
+                results.append(result(req.rid, INTERNAL,
+                                      f"Multimodal feature reconstruction failed ({verdict.message(i)})",
+                                      meta={"failed_ranks": ranks, "stage": "materialize"}))
+            elif mismatch[:, i].any():
+                ranks = [int(r) for r in np.flatnonzero(mismatch[:, i])]
+                results.append(result(req.rid, INTERNAL, "Multimodal feature reconstruction failed ("
+                                      + "; ".join(f"rank {r}: DigestMismatch: bytes differ from rank 0's"
+                                                  for r in ranks) + ")",
+                                      meta={"failed_ranks": ranks, "stage": "materialize"}))
+            else:
+                j = slot[i]
+                if everdict.aborted(j):
+                    results.append(result(req.rid, ABORTED, "aborted by client"))
+                elif not everdict.ok(j):
+                    results.append(result(req.rid, INTERNAL, f"Engine step failed ({everdict.message(j)})",
+                                          meta={"failed_ranks": everdict.failed_ranks(j), "stage": "engine"}))
+                else:
+                    meta = {"ranks": self.group.world}
+                    if req.want_digest:
+                        meta["digests"] = digests[i]
+                    results.append(result(req.rid, OK, output=outputs[j], meta=meta))
+                    stats.feature_bytes += req.feature_bytes
+        stats.failed = int((flags == consensus.FAILED).sum())
+        for i, msg in errors.items():
+            event("feature_failed", logging.DEBUG, rid=reqs[i].rid, error=msg)
+        return results, stats

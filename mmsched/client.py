@@ -1,0 +1,274 @@
+"""The asyncio client: ``async with Client(addr) as c: r = await c.embed(ids, [shm(t)])``.
+
+One DEALER socket, one reader task fanning replies out to per-request futures.
+Features are described with ``shm()``, ``inline()``, ``ref()`` or ``raw()``; ``shm``
+segments are created at send time, locked until sent, and owned by mmsched once sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+import zmq
+import zmq.asyncio
+
+from .errors import ShmFull
+from .protocol import VERSION, pack
+from .transport.shm import Segment, create_segment, tensor_bytes
+
+log = logging.getLogger("mmsched.client")
+
+
+@dataclass
+class Feature:
+    """A feature to send. Build with shm(), inline(), ref() or raw()."""
+
+    transport: str
+    tensor: torch.Tensor | None = None
+    modality: str = "image"
+    id: str | None = None
+    ref: str | None = None
+    item: dict | None = None       # raw(): the item map as given
+    payload: bytes | None = None   # raw(): an extra frame the item refers to as frame=-1
+
+
+def shm(tensor: torch.Tensor, modality: str = "image", id: str | None = None) -> Feature:
+    return Feature("shm", tensor, modality, id)
+
+
+def inline(tensor: torch.Tensor, modality: str = "image", id: str | None = None) -> Feature:
+    return Feature("inline", tensor, modality, id)
+
+
+def ref(feature_id: str, modality: str = "image") -> Feature:
+    return Feature("session", modality=modality, ref=feature_id)
+
+
+def raw(item: dict, payload: bytes | None = None) -> Feature:
+    """An item map sent as is (tests, other transports); ``"frame": -1`` points at ``payload``."""
+    return Feature("raw", item=item, payload=payload)
+
+
+_DTYPE_NAME = {
+    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+    torch.float64: "float64", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16",
+    torch.int32: "int32", torch.int64: "int64", torch.bool: "bool",
+}
+
+
+@dataclass
+class Result:
+    rid: str | None
+    status: int
+    err_type: str | None = None
+    message: str | None = None
+    output: dict | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        return torch.from_numpy(np.frombuffer(self.output["embedding"], dtype="<f4").copy())
+
+    @classmethod
+    def from_header(cls, h: dict) -> "Result":
+        return cls(h.get("rid"), h.get("status"), h.get("err_type"), h.get("message"),
+                   h.get("output"), h.get("meta") or {})
+
+
+class Client:
+    """An async client of one mmsched frontend."""
+
+    _ids = itertools.count()
+
+    def __init__(self, address: str, *, shm_prefix: str = "mmsched_", timeout: float = 60.0,
+                 context: zmq.asyncio.Context | None = None):
+        self.address, self.shm_prefix, self.timeout = address, shm_prefix, timeout
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+        self._results: dict[str, asyncio.Future] = {}
+        self._pongs: deque[asyncio.Future] = deque()
+        self._acks: dict[str, deque[asyncio.Future]] = {}
+        self.unrouted: list[Result] = []  # results with rid nil (the message was unreadable)
+        self._tag = f"c{os.getpid()}-{next(self._ids)}"
+        self._n = itertools.count()
+
+    async def __aenter__(self) -> "Client":
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.address)
+        self._reader = asyncio.ensure_future(self._read())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._reader:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        for fut in list(self._results.values()) + list(self._pongs):
+            if not fut.done():
+                fut.cancel()
+
+    # ------------------------------------------------------------ requests
+    def new_rid(self) -> str:
+        return f"{self._tag}-{next(self._n)}"
+
+    async def embed(self, input_ids: Sequence[int] | np.ndarray, features: Iterable[Feature] = (),
+                    **kw: Any) -> Result:
+        return await self.request("embed", input_ids, features, **kw)
+
+    async def generate(self, input_ids: Sequence[int] | np.ndarray, features: Iterable[Feature] = (),
+                       max_new_tokens: int | None = None, **kw: Any) -> Result:
+        params = dict(kw.pop("params", {}) or {})
+        if max_new_tokens is not None:
+            params["max_new_tokens"] = max_new_tokens
+        return await self.request("generate", input_ids, features, params=params, **kw)
+
+    async def request(self, type: str, input_ids, features: Iterable[Feature] = (), *,
+                      rid: str | None = None, session_id: str | None = None, params: dict | None = None,
+                      want_digest: bool = False, timeout: float | None = None) -> Result:
+        """Send one request and wait for its one result."""
+        rid = rid or self.new_rid()
+        fut = self.send_request(type, input_ids, features, rid=rid, session_id=session_id,
+                                params=params, want_digest=want_digest)
+        return await self.wait(rid, fut, timeout)
+
+    def send_request(self, type: str, input_ids, features: Iterable[Feature] = (), *, rid: str,
+                     session_id: str | None = None, params: dict | None = None,
+                     want_digest: bool = False) -> asyncio.Future:
+        """Send without waiting; the returned future resolves to the Result."""
+        header: dict[str, Any] = {"v": VERSION, "type": type, "rid": rid,
+                                  "input_ids": _ids_bin(input_ids)}
+        if session_id is not None:
+            header["session_id"] = session_id
+        if params:
+            header["params"] = params
+        if want_digest:
+            header["want_digest"] = True
+        frames: list[Any] = []
+        segments: list[Segment] = []
+        try:
+            header["mm_items"] = [self._item(f, frames, segments) for f in features]
+            fut = self.send_raw(header, frames, rid=rid)
+        except BaseException:
+            for s in segments:
+                s.discard()
+            raise
+        for s in segments:
+            s.sent()  # ownership passed to mmsched
+        return fut
+
+    def _item(self, f: Feature, frames: list, segments: list[Segment]) -> dict:
+        if f.transport == "raw":
+            item = dict(f.item)
+            if item.get("frame") == -1:
+                frames.append(f.payload)
+                item["frame"] = len(frames)
+            return item
+        if f.transport == "session":
+            return {"transport": "session", "ref": f.ref, "modality": f.modality}
+        t = f.tensor
+        item = {"modality": f.modality, "dtype": _DTYPE_NAME[t.dtype], "shape": list(t.shape)}
+        if f.id is not None:
+            item["id"] = f.id
+        if f.transport == "shm":
+            try:
+                seg = create_segment(t, self.shm_prefix)
+            except ShmFull as exc:
+                log.warning("shm_full falling_back=inline nbytes=%d error=%s", t.numel() * t.element_size(), exc)
+            else:
+                segments.append(seg)
+                return dict(item, transport="shm", shm_name=seg.name)
+        frames.append(tensor_bytes(t))
+        return dict(item, transport="inline", frame=len(frames))
+
+    def send_raw(self, header: Any, frames: Sequence[Any] = (), rid: str | None = None,
+                 packed: bytes | None = None) -> asyncio.Future | None:
+        """Send a header (or pre-packed bytes) and frames; a future for ``rid``'s result if given."""
+        fut = None
+        if rid is not None:
+            fut = asyncio.get_running_loop().create_future()
+            self._results[rid] = fut
+        body = packed if packed is not None else pack(header)
+        self._sock.send_multipart([body, *frames], copy=False)
+        return fut
+
+    async def wait(self, rid: str, fut: asyncio.Future, timeout: float | None = None) -> Result:
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout or self.timeout)
+        finally:
+            if fut.done():
+                self._results.pop(rid, None)
+
+    async def abort(self, rid: str) -> None:
+        await self._sock.send_multipart([pack({"v": VERSION, "type": "abort", "rid": rid})])
+
+    async def ping(self, timeout: float | None = None) -> dict:
+        fut = asyncio.get_running_loop().create_future()
+        self._pongs.append(fut)
+        await self._sock.send_multipart([pack({"v": VERSION, "type": "ping"})])
+        return await asyncio.wait_for(fut, timeout or self.timeout)
+
+    async def close_session(self, session_id: str, timeout: float | None = None) -> dict:
+        fut = asyncio.get_running_loop().create_future()
+        self._acks.setdefault(session_id, deque()).append(fut)
+        await self._sock.send_multipart([pack({"v": VERSION, "type": "close_session",
+                                               "session_id": session_id})])
+        return await asyncio.wait_for(fut, timeout or self.timeout)
+
+    # ------------------------------------------------------------ the reader
+    async def _read(self) -> None:
+        import msgpack
+
+        while True:
+            frames = await self._sock.recv_multipart()
+            try:
+                h = msgpack.unpackb(frames[0], raw=False)
+            except Exception:
+                log.warning("unreadable reply dropped")
+                continue
+            kind = h.get("type")
+            if kind == "result":
+                res = Result.from_header(h)
+                fut = self._results.get(res.rid) if res.rid is not None else None
+                if fut is None or fut.done():
+                    self.unrouted.append(res)
+                else:
+                    fut.set_result(res)
+            elif kind == "pong":
+                while self._pongs:
+                    fut = self._pongs.popleft()
+                    if not fut.done():
+                        fut.set_result(h)
+                        break
+            elif kind == "ack":
+                q = self._acks.get(h.get("session_id"))
+                if q:
+                    fut = q.popleft()
+                    if not fut.done():
+                        fut.set_result(h)
+
+    def __repr__(self) -> str:
+        return f"<Client {self.address} pending={len(self._results)}>"
+
+
+def _ids_bin(ids) -> bytes:
+    return np.ascontiguousarray(np.asarray(ids), dtype="<i4").tobytes()

@@ -1,0 +1,155 @@
+"""Configuration: defaults < TOML file < environment (``MMSCHED_<NAME>``) < command-line flags.
+
+One flat table of settings; every key is also a flag (``max_batch`` → ``--max-batch``)
+and an environment variable (``MMSCHED_MAX_BATCH``). A bad value raises ConfigError
+naming the key; the CLI turns that into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from .errors import ConfigError
+from .faults import Fault
+from .protocol import Limits
+
+
+def _opt(default: Any, help: str, lo: float | None = None, hi: float | None = None,
+         choices: tuple | None = None):
+    kw = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
+    return field(metadata={"help": help, "lo": lo, "hi": hi, "choices": choices}, **kw)
+
+
+@dataclass
+class Config:
+    frontend: str = _opt("ipc:///tmp/mmsched.sock", "ZeroMQ ROUTER address the leader binds (ipc:// or tcp://)")
+    tp: int = _opt(1, "number of ranks in the group", 1, 256)
+    dist_init: str = _opt("", "torch.distributed init address for --tp N (default: a free 127.0.0.1 port)")
+    shm_prefix: str = _opt("mmsched_", "only segments with this prefix are opened or unlinked")
+    max_batch: int = _opt(64, "most requests handled as one batch (one consensus)", 1, 65536)
+    max_queue: int = _opt(4096, "most requests waiting at the leader; beyond it, 503", 1, 1 << 24)
+    collective_timeout: float = _opt(30.0, "seconds any collective may take before the group is broken", 0.1, 86400)
+    shutdown_timeout: float = _opt(30.0, "seconds a SIGTERM drain may finish in-flight work", 0, 86400)
+    torch_threads: int = _opt(1, "torch intra-op threads per rank (ranks only move data)", 1, 1024)
+    log_format: str = _opt("text", "log line format", choices=("text", "json"))
+    log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
+    fault: list = _opt([], "inject failures: RANK:STAGE:RID_GLOB (stages: open materialize release engine stall)")
+    stall_s: float = _opt(3.0, "seconds a 'stall' fault holds its rank before the engine collective", 0, 3600)
+    max_input_len: int = _opt(131072, "most input ids per request", 1, 1 << 26)
+    max_items: int = _opt(64, "most mm_items per request", 0, 1 << 16)
+    max_item_bytes: int = _opt(1 << 30, "most bytes one feature may hold", 0, 1 << 40)
+    max_request_bytes: int = _opt(2 << 30, "most feature bytes one request may hold", 0, 1 << 42)
+    max_new_tokens: int = _opt(4096, "largest params.max_new_tokens accepted", 1, 1 << 20)
+    seed: int = _opt(0, "seed of the reference engine's weights", 0, 2**31 - 1)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(shm_prefix=self.shm_prefix, max_input_len=self.max_input_len,
+                      max_items=self.max_items, max_item_bytes=self.max_item_bytes,
+                      max_request_bytes=self.max_request_bytes, max_new_tokens=self.max_new_tokens)
+
+    @property
+    def faults(self) -> list[Fault]:
+        return [Fault.parse(s) for s in self.fault]
+
+    @property
+    def heartbeat_s(self) -> float:
+        """How often an idle leader sends an empty batch, so followers never wait past their deadline."""
+        return min(1.0, self.collective_timeout / 4)
+
+    def to_toml(self) -> str:
+        lines = []
+        for f in fields(self):
+            lines.append(f"# {f.metadata['help']}")
+            lines.append(f"{f.name} = {_toml_value(getattr(self, f.name))}")
+        return "\n".join(lines) + "\n"
+
+
+FIELDS = {f.name: f for f in fields(Config)}
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def _coerce(name: str, value: Any, from_text: bool) -> Any:
+    f = FIELDS[name]
+    kind = type(f.default) if f.default is not dataclasses.MISSING else list
+    try:
+        if kind is list:
+            if from_text:
+                value = [s for s in value.split(",") if s] if isinstance(value, str) else list(value)
+            if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+                raise ValueError("must be a list of strings")
+        elif kind is float:
+            if from_text:
+                value = float(value)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError("must be a number")
+            value = float(value)
+        elif kind is int:
+            if from_text:
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError("must be an integer")
+        elif not isinstance(value, str):
+            raise ValueError("must be a string")
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc if 'must' in str(exc) else f'cannot read {value!r} as {kind.__name__}'}") from None
+    m = f.metadata
+    if m["lo"] is not None and value < m["lo"] or m["hi"] is not None and value > m["hi"]:
+        raise ConfigError(f"{name}: {value!r} is outside {m['lo']}..{m['hi']}")
+    if m["choices"] and value not in m["choices"]:
+        raise ConfigError(f"{name}: {value!r} is not one of {', '.join(m['choices'])}")
+    return value
+
+
+def load(path: str | None = None, env: Mapping[str, str] | None = None,
+         flags: Mapping[str, Any] | None = None) -> Config:
+    """Merge the four layers; raises ConfigError naming the first bad key."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config: {path} is not valid TOML: {exc}") from exc
+        for k, v in doc.items():
+            if k not in FIELDS:
+                raise ConfigError(f"{k}: unknown setting in {path}")
+            values[k] = _coerce(k, v, from_text=False)
+    for k in FIELDS:
+        ev = env.get(f"MMSCHED_{k.upper()}")
+        if ev is not None:
+            values[k] = _coerce(k, ev, from_text=True)
+    for k, v in (flags or {}).items():
+        if v is None or v == []:
+            continue
+        if k not in FIELDS:
+            raise ConfigError(f"{k}: unknown setting")
+        values[k] = _coerce(k, v, from_text=False)
+    cfg = Config(**values)
+    try:
+        cfg.faults
+    except ConfigError as exc:
+        raise ConfigError(f"fault: {exc}") from None
+    if cfg.tp > 1 and cfg.collective_timeout < 1:
+        raise ConfigError("collective_timeout: must be >= 1 s when tp > 1")
+    return cfg

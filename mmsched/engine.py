@@ -1,0 +1,110 @@
+"""The engine interface and the built-in reference engine.
+
+An engine step runs on the collective lane, in lockstep on every rank. It receives the
+batch's surviving requests with their materialized features and this rank's flags (the
+leader's aborts), and must agree those flags through a collective of its own — which a
+real tensor-parallel step runs anyway. What a rank-local engine failure does: that
+request fails with a 500 naming the rank, the rest of the batch completes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from . import consensus
+from .errors import describe
+from .faults import Faults
+from .protocol import Request
+
+
+@dataclass(slots=True)
+class EngineInput:
+    request: Request
+    features: list[torch.Tensor]
+
+
+class Engine(Protocol):
+    def step(self, group, batch: list[EngineInput], flags: np.ndarray,
+             faults: Faults) -> tuple[list[dict | None], consensus.Verdict]:
+        """Outputs (None where the verdict says the request did not succeed) and the verdict."""
+
+
+class ReferenceEngine:
+    """A tensor-parallel projection: each rank computes its column shard, the shards are gathered.
+
+    Output is a deterministic function of the input ids and the feature bytes, the same
+    for any number of ranks up to float tolerance: a rank that skipped a request would
+    hang the gather, exactly as a real model would.
+    """
+
+    D_IN, HIDDEN, TOKEN_TABLE, CHUNKS = 64, 256, 4096, 16
+
+    def __init__(self, rank: int, world: int, seed: int = 0, stall_s: float = 3.0):
+        g = torch.Generator().manual_seed(seed)
+        self.token_table = torch.randn(self.TOKEN_TABLE, self.D_IN, generator=g, dtype=torch.float64).numpy()
+        self.byte_proj = torch.randn(self.CHUNKS, self.D_IN, generator=g, dtype=torch.float64)
+        w = torch.randn(self.D_IN, self.HIDDEN, generator=g, dtype=torch.float64) / math.sqrt(self.D_IN)
+        self.mix = torch.randn(self.HIDDEN, generator=g, dtype=torch.float64)
+        shards = torch.tensor_split(w, world, dim=1)
+        self.shard = shards[rank].contiguous()
+        self.widths = [s.shape[1] for s in shards]
+        self.width = max(self.widths)
+        self.stall_s = stall_s
+
+    def encode(self, req: Request, feats: list[torch.Tensor]) -> torch.Tensor:
+        """Input ids and feature bytes → one D_IN vector."""
+        counts = np.bincount(req.input_ids % self.TOKEN_TABLE, minlength=self.TOKEN_TABLE)
+        x = torch.from_numpy(counts @ self.token_table / len(req.input_ids))
+        for t in feats:
+            b = t.reshape(-1).view(torch.uint8)
+            n = b.numel()
+            if n == 0:
+                continue
+            m = n // self.CHUNKS
+            sums = torch.zeros(self.CHUNKS, dtype=torch.float64)
+            if m:
+                sums += b[: m * self.CHUNKS].view(self.CHUNKS, m).sum(1, dtype=torch.int64).double()
+            sums[-1] += float(b[m * self.CHUNKS:].sum(dtype=torch.int64))
+            x += (sums / (255.0 * max(m, 1))) @ self.byte_proj
+        return x
+
+    def step(self, group, batch, flags, faults):
+        n = len(batch)
+        x = torch.zeros(n, self.D_IN, dtype=torch.float64)
+        errors: dict[int, str] = {}
+        stall = False
+        for i, inp in enumerate(batch):
+            if flags[i]:
+                continue
+            try:
+                faults.check("engine", inp.request.rid)
+                x[i] = self.encode(inp.request, inp.features)
+            except Exception as exc:
+                flags[i], errors[i] = consensus.FAILED, describe(exc)
+            try:
+                faults.check("stall", inp.request.rid)
+            except Exception:
+                stall = True
+        if stall:
+            time.sleep(self.stall_s)  # a drill: this rank holds its peers inside the collective
+        local = torch.zeros(n, self.width, dtype=torch.float64)
+        local[:, : self.shard.shape[1]] = x @ self.shard
+        verdict = consensus.agree(group, flags, errors, extra=local)
+        hidden = torch.cat([verdict.extra[r, :, :w] for r, w in enumerate(self.widths)], dim=1)
+        return [self._output(batch[i].request, hidden[i]) if verdict.ok(i) else None
+                for i in range(n)], verdict
+
+    def _output(self, req: Request, h: torch.Tensor) -> dict:
+        if req.type == "embed":
+            v = (h / h.norm().clamp_min(1e-12)).to(torch.float32)
+            return {"embedding": v.numpy().astype("<f4").tobytes(), "dim": int(v.numel())}
+        k = req.max_new_tokens
+        idx = (torch.arange(self.HIDDEN)[None, :] - torch.arange(k)[:, None]) % self.HIDDEN
+        tokens = torch.argmax(h[idx] * self.mix, dim=1)
+        return {"output_ids": tokens.tolist()}

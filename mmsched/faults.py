@@ -1,0 +1,56 @@
+"""Fault injection (``--fault RANK:STAGE:RID_GLOB``): make one rank fail one stage on purpose.
+
+Used by tests and failure drills. ``release`` faults are raised and logged like a real
+close/unlink failure, after which the real release still runs, so a drill leaves
+/dev/shm clean while proving the request's result does not depend on its release.
+``stall`` makes the rank sleep (``stall_s``) before its engine collective, holding its
+peers inside it: the drill for slow collectives and for the collective deadline.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from .errors import ConfigError, InjectedFault
+
+STAGES = ("open", "materialize", "release", "engine", "stall")
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    stage: str
+    rid_glob: str
+
+    @classmethod
+    def parse(cls, spec: str) -> "Fault":
+        parts = spec.split(":", 2)
+        if len(parts) != 3 or not parts[0].isdigit() or parts[1] not in STAGES or not parts[2]:
+            raise ConfigError(f"fault: {spec!r} is not RANK:STAGE:RID_GLOB with STAGE in {'|'.join(STAGES)}")
+        return cls(int(parts[0]), parts[1], parts[2])
+
+    def __str__(self) -> str:
+        return f"{self.rank}:{self.stage}:{self.rid_glob}"
+
+
+class Faults:
+    """The faults that apply to one rank; ``check`` raises where one matches."""
+
+    def __init__(self, faults: list[Fault], rank: int):
+        self._by_stage: dict[str, list[str]] = {}
+        for f in faults:
+            if f.rank == rank:
+                self._by_stage.setdefault(f.stage, []).append(f.rid_glob)
+        self.rank = rank
+
+    def check(self, stage: str, rid: str) -> None:
+        globs = self._by_stage.get(stage)
+        if globs and any(fnmatch.fnmatchcase(rid, g) for g in globs):
+            raise InjectedFault(f"injected {stage} fault on rank {self.rank}")
+
+    def __bool__(self) -> bool:
+        return bool(self._by_stage)
+
+
+NO_FAULTS = Faults([], -1)

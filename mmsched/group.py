@@ -1,0 +1,91 @@
+"""The rank group as the rest of the code sees it: broadcast, all-gather, all-gather-object.
+
+``SoloGroup`` is a group of one (no torch.distributed); ``GlooGroup`` wraps a real gloo
+process group. Every method is a collective and runs on the lane thread only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import GroupBroken
+
+
+class SoloGroup:
+    rank, world = 0, 1
+
+    def broadcast(self, payload: bytes | None) -> Any:
+        return payload
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return t.unsqueeze(0)
+
+    def all_gather_object(self, obj: Any) -> list:
+        return [obj]
+
+    def close(self) -> None:
+        pass
+
+
+class GlooGroup:
+    """A torch.distributed gloo group; collective errors become GroupBroken."""
+
+    def __init__(self, rank: int, world: int, init_method: str, timeout_s: float):
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.rank, self.world = rank, world
+
+    def broadcast(self, payload: bytes | None) -> memoryview:
+        """Leader passes bytes, followers None; everyone gets the leader's bytes."""
+        try:
+            size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+            dist.broadcast(size, src=0)
+            if payload is not None:
+                buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if size.item() else torch.empty(0, dtype=torch.uint8)
+            else:
+                buf = torch.empty(int(size.item()), dtype=torch.uint8)
+            if buf.numel():
+                dist.broadcast(buf, src=0)
+            return memoryview(buf.numpy())
+        except RuntimeError as exc:
+            raise GroupBroken(f"broadcast failed: {exc}") from exc
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        try:
+            out = torch.empty((self.world * t.shape[0], *t.shape[1:]), dtype=t.dtype)
+            _all_gather_single(out, t.contiguous())
+            return out.view(self.world, *t.shape)
+        except RuntimeError as exc:
+            raise GroupBroken(f"all_gather failed: {exc}") from exc
+
+    def all_gather_object(self, obj: Any) -> list:
+        try:
+            out: list = [None] * self.world
+            dist.all_gather_object(out, obj)
+            return out
+        except RuntimeError as exc:
+            raise GroupBroken(f"all_gather_object failed: {exc}") from exc
+
+    def close(self) -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+# torch 2.13 renamed all_gather_into_tensor; keep working on the older releases the range admits.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def env_rank() -> tuple[int, int] | None:
+    """(rank, world) when launched by torchrun or by ``mmsched serve --tp N``."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None

@@ -1,0 +1,59 @@
+"""Logs read ``[rank1] event key=value rid=...``; ``--log-format json`` gives one JSON object a line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+logger = logging.getLogger("mmsched")
+
+
+def event(name: str, level: int = logging.INFO, **fields) -> None:
+    """Log one event with key=value fields (rendered by the configured formatter)."""
+    if logger.isEnabledFor(level):
+        logger.log(level, name, extra={"fields": fields})
+
+
+class _TextFormatter(logging.Formatter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = getattr(record, "fields", {})
+        kv = " ".join(f"{k}={_text(v)}" for k, v in fields.items())
+        ts = time.strftime("%H:%M:%S", time.localtime(record.created))
+        line = f"{ts} {record.levelname[0]} [rank{self.rank}] {record.getMessage()}"
+        line = f"{line} {kv}" if kv else line
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+class _JsonFormatter(logging.Formatter):
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"ts": round(record.created, 6), "level": record.levelname.lower(),
+               "rank": self.rank, "event": record.getMessage()}
+        doc.update(getattr(record, "fields", {}))
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def _text(v) -> str:
+    s = str(v)
+    return json.dumps(s) if (" " in s or not s) else s
+
+
+def setup(rank: int, fmt: str = "text", level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter(rank) if fmt == "json" else _TextFormatter(rank))
+    logger.handlers[:] = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False

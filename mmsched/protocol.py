@@ -1,0 +1,389 @@
+"""The wire contract (docs/protocol.md): typed messages, validation, encode/decode. No I/O.
+
+Every way a message can break the contract becomes a ``BadRequest`` naming the field;
+nothing a client sends makes ``decode`` raise anything else.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+from .errors import BadRequest
+
+VERSION = 1
+SHM_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
+MODALITIES = frozenset({"image", "audio", "video", "other"})
+TRANSPORTS = frozenset({"shm", "inline", "cuda_ipc", "session"})
+# dtype name -> itemsize; the torch dtype lives in transport (protocol has no torch).
+ITEMSIZE = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1,
+    "int8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
+}
+REQUEST_TYPES = frozenset({"generate", "embed"})
+
+# result statuses and their err_type
+OK, BAD_REQUEST, ABORTED, INTERNAL, UNAVAILABLE = 200, 400, 499, 500, 503
+ERR_TYPE = {
+    BAD_REQUEST: "BadRequestError",
+    ABORTED: "RequestAborted",
+    INTERNAL: "InternalServerError",
+    UNAVAILABLE: "ServiceUnavailable",
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; checked before any allocation."""
+
+    shm_prefix: str = "mmsched_"
+    max_input_len: int = 131072
+    max_items: int = 64
+    max_item_bytes: int = 1 << 30
+    max_request_bytes: int = 2 << 30
+    max_new_tokens: int = 4096
+    default_max_new_tokens: int = 8
+
+
+@dataclass(slots=True)
+class Item:
+    """One feature of a request, validated. ``payload`` is the inline frame (zero-copy)."""
+
+    index: int
+    modality: str
+    transport: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    shm_name: str | None = None
+    offset: int = 0
+    pooled: bool = False
+    payload: Any = None
+    id: str | None = None
+    ref: str | None = None
+    ipc: dict | None = None
+
+    def wire(self) -> dict:
+        """The item as the leader forwards it to followers (inline bytes included)."""
+        d = {
+            "modality": self.modality, "transport": self.transport, "dtype": self.dtype,
+            "shape": list(self.shape), "shm_name": self.shm_name, "offset": self.offset,
+            "pooled": self.pooled, "id": self.id, "ref": self.ref, "ipc": self.ipc,
+        }
+        if self.payload is not None:
+            d["payload"] = self.payload
+        return d
+
+    @classmethod
+    def from_wire(cls, index: int, d: dict) -> "Item":
+        shape = tuple(d["shape"])
+        return cls(
+            index=index, modality=d["modality"], transport=d["transport"], dtype=d["dtype"],
+            shape=shape, nbytes=_nbytes(shape, d["dtype"]), shm_name=d["shm_name"],
+            offset=d["offset"], pooled=d["pooled"], payload=d.get("payload"), id=d["id"],
+            ref=d["ref"], ipc=d["ipc"],
+        )
+
+    @property
+    def owned_segment(self) -> str | None:
+        """The segment whose ownership passed to mmsched with this item, if any."""
+        return self.shm_name if self.transport == "shm" and not self.pooled else None
+
+
+@dataclass(slots=True)
+class Request:
+    """A validated ``generate``/``embed``. ``client`` is the ROUTER identity (leader only)."""
+
+    rid: str
+    type: str
+    input_ids: np.ndarray
+    items: list[Item]
+    session_id: str | None = None
+    max_new_tokens: int = 8
+    want_digest: bool = False
+    params: dict = field(default_factory=dict)
+    client: bytes = b""
+
+    @property
+    def key(self) -> tuple[bytes, str]:
+        return (self.client, self.rid)
+
+    @property
+    def owned_segments(self) -> list[str]:
+        return [it.owned_segment for it in self.items if it.owned_segment]
+
+    @property
+    def feature_bytes(self) -> int:
+        return sum(it.nbytes for it in self.items)
+
+    def wire(self) -> list:
+        return [
+            self.rid, self.type, self.input_ids.tobytes(), [it.wire() for it in self.items],
+            self.session_id, self.max_new_tokens, self.want_digest, self.params,
+        ]
+
+    @classmethod
+    def from_wire(cls, w: list) -> "Request":
+        rid, typ, ids, items, sid, mnt, digest, params = w
+        return cls(
+            rid=rid, type=typ, input_ids=np.frombuffer(ids, dtype="<i4"),
+            items=[Item.from_wire(i, d) for i, d in enumerate(items)], session_id=sid,
+            max_new_tokens=mnt, want_digest=digest, params=params,
+        )
+
+
+@dataclass(slots=True)
+class Abort:
+    rid: str
+
+
+@dataclass(slots=True)
+class CloseSession:
+    session_id: str
+
+
+@dataclass(slots=True)
+class Ping:
+    pass
+
+
+Message = Request | Abort | CloseSession | Ping
+
+
+# ---------------------------------------------------------------- encoding
+
+def pack(header: dict) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def result(rid: str | None, status: int, message: str | None = None,
+           output: dict | None = None, meta: dict | None = None) -> dict:
+    return {
+        "v": VERSION, "type": "result", "rid": rid, "status": status,
+        "err_type": ERR_TYPE.get(status), "message": message, "output": output,
+        "meta": meta or {},
+    }
+
+
+def pong(ranks: int, healthy: bool, **extra: Any) -> dict:
+    return {"v": VERSION, "type": "pong", "ranks": ranks, "healthy": healthy, **extra}
+
+
+def ack_close(session_id: str) -> dict:
+    return {"v": VERSION, "type": "ack", "op": "close_session", "session_id": session_id}
+
+
+# ---------------------------------------------------------------- decoding
+
+def unpack_header(frame: Any) -> dict:
+    """Frame 0 → the header map; any failure is a 400 with rid nil."""
+    try:
+        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise BadRequest("header", f"not a MessagePack map ({type(exc).__name__})") from exc
+    if not isinstance(header, dict):
+        raise BadRequest("header", "not a MessagePack map")
+    return header
+
+
+def readable_rid(header: Any) -> str | None:
+    """The rid a 400 may carry: only a well-formed one."""
+    rid = header.get("rid") if isinstance(header, dict) else None
+    return rid if isinstance(rid, str) and 1 <= len(rid) <= 128 else None
+
+
+def decode(frames: Sequence[Any], limits: Limits) -> Message:
+    """Frames (header first, then payloads as buffers) → a typed message, or BadRequest."""
+    header = unpack_header(frames[0])
+    rid = readable_rid(header)
+    try:
+        return _decode(header, frames, limits)
+    except BadRequest as exc:
+        exc.rid = rid
+        raise
+
+
+def owned_segments(header: Any, prefix: str) -> list[str]:
+    """Non-pooled, allowed segment names of a message, however malformed the rest is.
+
+    Ownership passes when a request is sent (contract guarantee 4), so even a request
+    that gets a 400 has its segments unlinked; a name without the prefix or with
+    characters outside the allowed set is never touched.
+    """
+    items = header.get("mm_items") if isinstance(header, dict) else None
+    if not isinstance(items, list):
+        return []
+    names = []
+    for it in items:
+        if not isinstance(it, dict) or it.get("pooled", False) is not False:
+            continue
+        name = it.get("shm_name")
+        if it.get("transport") == "shm" and valid_shm_name(name, prefix):
+            names.append(name)
+    return list(dict.fromkeys(names))
+
+
+def valid_shm_name(name: Any, prefix: str) -> bool:
+    return isinstance(name, str) and name.startswith(prefix) and bool(SHM_NAME_RE.fullmatch(name))
+
+
+def _decode(h: dict, frames: Sequence[Any], limits: Limits) -> Message:
+    if h.get("v") != VERSION:
+        raise BadRequest("v", f"unsupported protocol version {h.get('v')!r} (this server speaks 1)")
+    typ = h.get("type")
+    if typ in REQUEST_TYPES:
+        return _request(h, typ, frames, limits)
+    if typ == "ping":
+        return Ping()
+    if typ == "abort":
+        return Abort(_rid(h))
+    if typ == "close_session":
+        return CloseSession(_str(h, "session_id", 1, 256))
+    raise BadRequest("type", f"unknown message type {typ!r}")
+
+
+def _request(h: dict, typ: str, frames: Sequence[Any], limits: Limits) -> Request:
+    rid = _rid(h)
+    ids = _input_ids(h.get("input_ids"), limits)
+    session_id = _str(h, "session_id", 1, 256) if h.get("session_id") is not None else None
+    want_digest = h.get("want_digest", False)
+    if not isinstance(want_digest, bool):
+        raise BadRequest("want_digest", "must be a bool")
+    params = h.get("params", {})
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise BadRequest("params", "must be a map")
+    mnt = params.get("max_new_tokens", limits.default_max_new_tokens)
+    if not _is_int(mnt) or not 1 <= mnt <= limits.max_new_tokens:
+        raise BadRequest("params.max_new_tokens", f"must be an int in 1..{limits.max_new_tokens}")
+    raw_items = h.get("mm_items", [])
+    if raw_items is None:
+        raw_items = []
+    if not isinstance(raw_items, list):
+        raise BadRequest("mm_items", "must be an array of item maps")
+    if len(raw_items) > limits.max_items:
+        raise BadRequest("mm_items", f"{len(raw_items)} items exceed max_items={limits.max_items}")
+    items = [_item(i, it, frames, limits) for i, it in enumerate(raw_items)]
+    total = sum(it.nbytes for it in items)
+    if total > limits.max_request_bytes:
+        raise BadRequest("mm_items", f"{total} feature bytes exceed max_request_bytes={limits.max_request_bytes}")
+    ids_seen = [it.id for it in items if it.id is not None]
+    if len(ids_seen) != len(set(ids_seen)):
+        raise BadRequest("mm_items.id", "ids must be unique within a request")
+    return Request(rid=rid, type=typ, input_ids=ids, items=items, session_id=session_id,
+                   max_new_tokens=mnt, want_digest=want_digest, params=params)
+
+
+def _item(i: int, it: Any, frames: Sequence[Any], limits: Limits) -> Item:
+    f = f"mm_items[{i}]"
+    if not isinstance(it, dict):
+        raise BadRequest(f, "must be a map")
+    transport = it.get("transport")
+    if transport not in TRANSPORTS:
+        raise BadRequest(f"{f}.transport", f"must be one of {sorted(TRANSPORTS)}")
+    item_id = _opt_str(it, "id", f)
+    if transport == "session":
+        ref = _opt_str(it, "ref", f)
+        if ref is None:
+            raise BadRequest(f"{f}.ref", "required for transport 'session'")
+        modality = it.get("modality", "other")
+        if modality not in MODALITIES:
+            raise BadRequest(f"{f}.modality", f"must be one of {sorted(MODALITIES)}")
+        # dtype/shape come from the session's stored feature.
+        return Item(index=i, modality=modality, transport=transport, dtype="uint8", shape=(0,),
+                    nbytes=0, ref=ref, id=item_id)
+    modality = it.get("modality")
+    if modality not in MODALITIES:
+        raise BadRequest(f"{f}.modality", f"must be one of {sorted(MODALITIES)}")
+    dtype = it.get("dtype")
+    if dtype not in ITEMSIZE:
+        raise BadRequest(f"{f}.dtype", f"must be one of {' '.join(ITEMSIZE)}")
+    shape = it.get("shape")
+    if (not isinstance(shape, list) or not 1 <= len(shape) <= 8
+            or not all(_is_int(d) and d >= 0 for d in shape)):
+        raise BadRequest(f"{f}.shape", "must be an array of 1-8 ints, each >= 0")
+    # Python ints do not overflow; bound the product before anything is allocated.
+    nbytes = _nbytes(shape, dtype)
+    if nbytes > limits.max_item_bytes:
+        raise BadRequest(f"{f}.shape", f"{nbytes} bytes exceed max_item_bytes={limits.max_item_bytes}")
+    item = Item(index=i, modality=modality, transport=transport, dtype=dtype,
+                shape=tuple(shape), nbytes=nbytes, id=item_id)
+    if transport == "shm":
+        name = it.get("shm_name")
+        if not valid_shm_name(name, limits.shm_prefix):
+            raise BadRequest(f"{f}.shm_name", f"must start with {limits.shm_prefix!r} and be 1-200 "
+                             "characters of [A-Za-z0-9_.-]")
+        offset = it.get("offset", 0)
+        if not _is_int(offset) or offset < 0:
+            raise BadRequest(f"{f}.offset", "must be an int >= 0")
+        pooled = it.get("pooled", False)
+        if not isinstance(pooled, bool):
+            raise BadRequest(f"{f}.pooled", "must be a bool")
+        item.shm_name, item.offset, item.pooled = name, offset, pooled
+    elif transport == "inline":
+        idx = it.get("frame")
+        if not _is_int(idx) or not 1 <= idx < len(frames):
+            raise BadRequest(f"{f}.frame", f"must index a payload frame (1..{len(frames) - 1})")
+        payload = frames[idx]
+        payload = payload.buffer if hasattr(payload, "buffer") else memoryview(payload)
+        if payload.nbytes != nbytes:
+            raise BadRequest(f"{f}.frame", f"frame {idx} holds {payload.nbytes} bytes, "
+                             f"dtype and shape say {nbytes}")
+        item.payload = payload
+    else:  # cuda_ipc
+        ipc = it.get("ipc")
+        if not isinstance(ipc, dict):
+            raise BadRequest(f"{f}.ipc", "required for transport 'cuda_ipc' (see docs/protocol.md)")
+        item.ipc = ipc
+    return item
+
+
+def _nbytes(shape: Sequence[int], dtype: str) -> int:
+    return math.prod(shape) * ITEMSIZE[dtype]
+
+
+def _input_ids(v: Any, limits: Limits) -> np.ndarray:
+    f = "input_ids"
+    if isinstance(v, (bytes, bytearray)):
+        if len(v) % 4:
+            raise BadRequest(f, "bin length must be a multiple of 4 (little-endian int32)")
+        arr = np.frombuffer(v, dtype="<i4")
+    elif isinstance(v, list):
+        arr = np.array(v) if v else np.zeros(0, dtype=np.int64)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise BadRequest(f, "must be an array of ints or a bin of int32")
+    else:
+        raise BadRequest(f, "required: an array of ints or a bin of int32")
+    if not 1 <= arr.size <= limits.max_input_len:
+        raise BadRequest(f, f"length {arr.size} outside 1..{limits.max_input_len}")
+    if arr.min() < 0 or arr.max() >= 2**31:
+        raise BadRequest(f, "each id must satisfy 0 <= id < 2^31")
+    return arr.astype("<i4", copy=False)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _rid(h: dict) -> str:
+    return _str(h, "rid", 1, 128)
+
+
+def _str(h: dict, key: str, lo: int, hi: int) -> str:
+    v = h.get(key)
+    if not isinstance(v, str) or not lo <= len(v) <= hi:
+        raise BadRequest(key, f"required: a string of {lo}-{hi} characters")
+    return v
+
+
+def _opt_str(it: dict, key: str, f: str) -> str | None:
+    v = it.get(key)
+    if v is not None and (not isinstance(v, str) or not 1 <= len(v) <= 256):
+        raise BadRequest(f"{f}.{key}", "must be a string of 1-256 characters")
+    return v

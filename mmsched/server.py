@@ -1,0 +1,131 @@
+"""Start a rank (or a group of them): process group, lane, engine, role, signals.
+
+``mmsched serve`` runs rank 0 in-process for tp=1. For tp=N it launches N rank
+processes on this host and supervises them: if one exits, the rest get the collective
+timeout plus a few seconds to notice and stop, then are killed, and the launcher exits
+non-zero. Under torchrun (RANK/WORLD_SIZE set) it runs the one rank it was given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import torch
+
+from . import log
+from .batch import BatchRunner
+from .config import Config
+from .engine import ReferenceEngine
+from .errors import GroupBroken, describe
+from .faults import Faults
+from .group import GlooGroup, SoloGroup
+from .lane import Lane
+from .log import event
+from .rank import Follower, Leader
+
+
+def run_rank(cfg: Config, rank: int, world: int) -> int:
+    """Run one rank to completion; returns its exit code (0 clean, 3 group broken)."""
+    log.setup(rank, cfg.log_format, cfg.log_level)
+    torch.set_num_threads(cfg.torch_threads)
+    if rank > 0:  # followers leave the decision to the leader
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_launcher()
+    try:
+        group = SoloGroup() if world == 1 else GlooGroup(rank, world, "env://", cfg.collective_timeout)
+    except Exception as exc:
+        event("group_init_failed", logging.ERROR, error=describe(exc))
+        return 3
+    lane = Lane(cfg.collective_timeout)
+    engine = ReferenceEngine(rank, world, seed=cfg.seed, stall_s=cfg.stall_s)
+    runner = BatchRunner(group, engine, Faults(cfg.faults, rank), unlinks=(rank == 0))
+    code = _run_loop(cfg, runner, lane, rank, world)
+    if code != 0:
+        logging.shutdown()
+        os._exit(code)  # a lane thread may be stuck inside gloo: do not wait for it
+    lane.close()
+    group.close()
+    return code
+
+
+def _run_loop(cfg: Config, runner: BatchRunner, lane: Lane, rank: int, world: int) -> int:
+    async def main() -> int:
+        if rank == 0:
+            role = Leader(cfg, runner, lane, world)
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, role.request_stop)
+        else:
+            role = Follower(cfg, runner, lane)
+        return await role.serve()
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(main())
+    return uvloop.run(main())
+
+
+def _die_with_launcher() -> None:
+    """A rank started by our launcher drains (leader) or follows if the launcher dies."""
+    parent = os.environ.get("MMSCHED_LAUNCHER_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_group(cfg: Config, argv: list[str]) -> int:
+    """Start cfg.tp rank processes of ``mmsched <argv>`` on this host and supervise them."""
+    log.setup(-1, cfg.log_format, cfg.log_level)
+    if cfg.dist_init:
+        hostport = cfg.dist_init.split("://", 1)[-1]
+        host, _, port = hostport.rpartition(":")
+    else:
+        host, port = "127.0.0.1", str(_free_port())
+    base = dict(os.environ, MASTER_ADDR=host, MASTER_PORT=port, WORLD_SIZE=str(cfg.tp),
+                MMSCHED_LAUNCHER_PID=str(os.getpid()))
+    base.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = [subprocess.Popen([sys.executable, "-m", "mmsched", *argv],
+                              env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True)
+             for r in range(cfg.tp)]
+    event("launched", ranks=cfg.tp, pids=",".join(str(p.pid) for p in procs), dist=f"{host}:{port}")
+
+    def forward(signum, _frame):  # the leader decides; a second signal means "now"
+        if procs[0].poll() is None:
+            procs[0].send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    failed_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            bad = [c for c in codes if c != 0]
+            event("group_exited", codes=",".join(map(str, codes)))
+            return bad[0] if bad else 0
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = time.monotonic()
+            event("rank_exited", logging.ERROR, codes=",".join(str(c) for c in codes))
+        if failed_at is not None and time.monotonic() - failed_at > cfg.collective_timeout + 5:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)

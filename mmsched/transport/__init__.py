@@ -1,0 +1,64 @@
+"""Feature transports. Each has one interface: ``open`` (errors as data), ``materialize``, ``release``.
+
+``open_feature`` never raises: a failure is kept on the returned feature and raised by
+``materialize``. ``release`` is idempotent, never raises, and logs what it could not do.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..faults import Faults
+from ..protocol import Item
+
+TORCH_DTYPE = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "uint8": torch.uint8, "int8": torch.int8,
+    "int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
+}
+
+
+class Feature(Protocol):
+    item: Item
+    error: BaseException | None
+
+    def materialize(self) -> torch.Tensor:
+        """An owned tensor of the item's dtype and shape; raises the open error if any."""
+
+    def release(self, unlink: bool) -> None:
+        """Close what this rank holds; ``unlink`` (the leader) also removes an owned segment."""
+
+
+def typed(raw: torch.Tensor, item: Item) -> torch.Tensor:
+    """Owned uint8 bytes → the item's dtype and shape (a view: no copy)."""
+    return raw.view(TORCH_DTYPE[item.dtype]).reshape(item.shape)
+
+
+class UnavailableFeature:
+    """A transport this server cannot serve here: fails at materialize, like any open error."""
+
+    __slots__ = ("item", "rid", "error")
+
+    def __init__(self, item: Item, rid: str, error: BaseException):
+        self.item, self.rid, self.error = item, rid, error
+
+    def materialize(self) -> torch.Tensor:
+        raise self.error
+
+    def release(self, unlink: bool) -> None:
+        pass
+
+
+def open_feature(item: Item, rid: str, faults: Faults, sessions=None) -> Feature:
+    """Open one item on this rank. Never raises: errors are kept on the feature."""
+    from . import inline, shm
+
+    if item.transport == "shm":
+        return shm.ShmFeature(item, rid, faults)
+    if item.transport == "inline":
+        return inline.InlineFeature(item, rid, faults)
+    if item.transport == "session" and sessions is not None:
+        return sessions.open(item, rid, faults)
+    return UnavailableFeature(item, rid, NotImplementedError(f"transport {item.transport!r} is not enabled"))
