@@ -17,7 +17,8 @@ from .engine import Engine, EngineInput
 from .errors import describe
 from .faults import Faults
 from .log import event
-from .protocol import ABORTED, INTERNAL, OK, Request, result
+from .protocol import ABORTED, INTERNAL, OK, UNAVAILABLE, Request, result
+from .sessions import SessionStore
 from .transport import Feature, open_feature
 
 
@@ -26,14 +27,20 @@ class Batch:
     seq: int
     requests: list[Request] = field(default_factory=list)
     stop: bool = False
+    closes: list[str] = field(default_factory=list)  # sessions to release first (close or idle)
+
+    @property
+    def empty(self) -> bool:
+        return not self.requests and not self.closes
 
     def encode(self) -> bytes:
-        return msgpack.packb([self.seq, self.stop, [r.wire() for r in self.requests]], use_bin_type=True)
+        return msgpack.packb([self.seq, self.stop, [r.wire() for r in self.requests], self.closes],
+                             use_bin_type=True)
 
     @classmethod
     def decode(cls, buf) -> "Batch":
-        seq, stop, reqs = msgpack.unpackb(buf, raw=False)
-        return cls(seq, [Request.from_wire(w) for w in reqs], stop)
+        seq, stop, reqs, closes = msgpack.unpackb(buf, raw=False)
+        return cls(seq, [Request.from_wire(w) for w in reqs], stop, closes)
 
 
 @dataclass
@@ -55,16 +62,24 @@ def digest_prefix(digests: list[str]) -> int:
 class BatchRunner:
     """Runs one batch on this rank. ``is_aborted`` is the leader's view of client aborts."""
 
-    def __init__(self, group, engine: Engine, faults: Faults, unlinks: bool, sessions=None,
+    def __init__(self, group, engine: Engine, faults: Faults, unlinks: bool, sessions: SessionStore,
                  is_aborted=lambda req: False):
         self.group, self.engine, self.faults = group, engine, faults
         self.unlinks, self.sessions, self.is_aborted = unlinks, sessions, is_aborted
 
+    def _lookup(self, session_id: str | None):
+        return lambda ref: self.sessions.lookup(session_id, ref)
+
     def run(self, batch: Batch) -> tuple[list[dict], StepStats]:
         reqs, stats = batch.requests, StepStats()
         n = len(reqs)
+        for sid in batch.closes:  # 0. sessions closed or idle, in stream order
+            self.sessions.close(sid)
+        if not reqs:
+            return [], stats
         # 1. open every feature; errors stay on the feature
-        opened = [[open_feature(it, r.rid, self.faults, self.sessions) for it in r.items] for r in reqs]
+        opened = [[open_feature(it, r.rid, self.faults, self._lookup(r.session_id)) for it in r.items]
+                  for r in reqs]
         # 2. materialize into owned memory; a failure is recorded, never raised
         flags = np.zeros(n, dtype=np.int64)
         errors: dict[int, str] = {}
@@ -101,7 +116,8 @@ class BatchRunner:
         stats.unlinked = len(seen) if self.unlinks else 0
         # 5. engine step on what survived everywhere (its own collective agrees late aborts)
         out: list[dict | None] = [None] * n
-        live = [i for i in range(n) if verdict.ok(i) and not mismatch[:, i].any()]
+        refused = self._session_overflow(reqs, tensors, [i for i in range(n) if verdict.ok(i)])
+        live = [i for i in range(n) if verdict.ok(i) and not mismatch[:, i].any() and i not in refused]
         slot = {i: j for j, i in enumerate(live)}
         if live:
             eflags = np.array([consensus.ABORTED if self.is_aborted(reqs[i]) else 0 for i in live], dtype=np.int64)
@@ -117,6 +133,8 @@ class BatchRunner:
                 results.append(result(req.rid, INTERNAL,
                                       f"Multimodal feature reconstruction failed ({verdict.message(i)})",
                                       meta={"failed_ranks": ranks, "stage": "materialize"}))
+            elif i in refused:
+                results.append(result(req.rid, UNAVAILABLE, refused[i]))
             elif mismatch[:, i].any():
                 ranks = [int(r) for r in np.flatnonzero(mismatch[:, i])]
                 results.append(result(req.rid, INTERNAL, "Multimodal feature reconstruction failed ("
@@ -131,12 +149,42 @@ class BatchRunner:
                     results.append(result(req.rid, INTERNAL, f"Engine step failed ({everdict.message(j)})",
                                           meta={"failed_ranks": everdict.failed_ranks(j), "stage": "engine"}))
                 else:
+                    self._keep_session_features(req, tensors[i])
                     meta = {"ranks": self.group.world}
                     if req.want_digest:
                         meta["digests"] = digests[i]
                     results.append(result(req.rid, OK, output=outputs[j], meta=meta))
                     stats.feature_bytes += req.feature_bytes
+        for req in reqs:
+            if req.session_id is not None:
+                self.sessions.touch(req.session_id)
         stats.failed = int((flags == consensus.FAILED).sum())
         for i, msg in errors.items():
             event("feature_failed", logging.DEBUG, rid=reqs[i].rid, error=msg)
         return results, stats
+
+    @staticmethod
+    def _new_session_features(req: Request, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        if req.session_id is None:
+            return {}
+        return {it.id: t for it, t in zip(req.items, tensors) if it.id is not None and it.transport != "session"}
+
+    def _session_overflow(self, reqs: list[Request], tensors, ok: list[int]) -> dict[int, str]:
+        """Turns whose new session features would overflow the bound: refused (503), same on every rank."""
+        refused, pending = {}, 0
+        for i in ok:
+            new = self._new_session_features(reqs[i], tensors[i])
+            if not new:
+                continue
+            need = sum(t.numel() * t.element_size() for t in new.values())
+            if not self.sessions.fits(reqs[i].session_id, new, pending):
+                refused[i] = (f"session memory full: {self.sessions.nbytes} of {self.sessions.max_bytes} bytes "
+                              f"held, this turn brings {need} (session_max_bytes)")
+            else:
+                pending += need
+        return refused
+
+    def _keep_session_features(self, req: Request, tensors: list[torch.Tensor]) -> None:
+        new = self._new_session_features(req, tensors)
+        if new:
+            self.sessions.put(req.session_id, new)

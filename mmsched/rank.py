@@ -44,7 +44,7 @@ class Follower:
         batch = Batch.decode(self.runner.group.broadcast(None))
         if batch.stop:
             return False
-        if batch.requests:
+        if not batch.empty:
             self.runner.run(batch)
         return True
 
@@ -80,6 +80,9 @@ class Leader:
         self._stop = asyncio.Event()
         self._now = asyncio.Event()
         self._seq = 0
+        self._closing: list[tuple[bytes, str]] = []  # close_session asks, acked after their batch
+        self._acking: list[tuple[bytes, str]] = []
+        self._idle_checked = time.monotonic()
         self._drain_deadline: float | None = None
         runner.is_aborted = lambda req: req.key in self.aborting
         self.ctx = zmq.asyncio.Context()
@@ -137,7 +140,8 @@ class Leader:
         elif isinstance(msg, Abort):
             self._abort((client, msg.rid))
         elif isinstance(msg, CloseSession):
-            self._send_to_client(client, protocol.ack_close(msg.session_id))
+            self._closing.append((client, msg.session_id))
+            self._wake.set()
 
     def _reject(self, client: bytes, header_frame, exc: BadRequest) -> None:
         try:
@@ -149,8 +153,21 @@ class Leader:
         event("bad_request", rid=exc.rid, field=exc.field, error=str(exc))
         self._send_to_client(client, result(exc.rid, BAD_REQUEST, str(exc)))
 
+    def _unknown_ref(self, req: Request) -> str | None:
+        for it in req.items:
+            if it.transport != "session":
+                continue
+            if req.session_id is None:
+                return f"session_id: required by mm_items[{it.index}] (transport 'session')"
+            if not self.runner.sessions.has(req.session_id, it.ref):
+                return f"mm_items[{it.index}].ref: session {req.session_id!r} holds no feature {it.ref!r}"
+        return None
+
     def _admit(self, req: Request) -> None:
-        if req.key in self.queue or req.key in self.inflight:
+        bad_ref = self._unknown_ref(req)
+        if bad_ref:
+            self._answer(req, BAD_REQUEST, bad_ref)
+        elif req.key in self.queue or req.key in self.inflight:
             for name in req.owned_segments:
                 unlink_segment(name, req.rid)
             self._send_to_client(req.client, result(req.rid, BAD_REQUEST, "rid: already in flight for this client"))
@@ -176,14 +193,22 @@ class Leader:
     # ------------------------------------------------------------ the batch loop
     async def _next_batch(self) -> Batch:
         """1. Up to max_batch queued requests; an empty batch after a heartbeat of idleness."""
-        if not self.queue and not self._stop.is_set():
+        if not self.queue and not self._closing and not self._stop.is_set():
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.cfg.heartbeat_s)
             except asyncio.TimeoutError:
                 pass
         self._seq += 1
-        batch = Batch(self._seq)
+        batch = Batch(self._seq, closes=[sid for _, sid in self._closing])
+        self._acking, self._closing = self._closing, []
+        now = time.monotonic()
+        if now - self._idle_checked >= 1.0:  # sessions idle past their timeout close in-stream
+            self._idle_checked = now
+            expired = self.runner.sessions.idle(self.cfg.session_idle_timeout, now)
+            if expired:
+                event("sessions_expired", count=len(expired))
+                batch.closes.extend(expired)
         while self.queue and len(batch.requests) < self.cfg.max_batch:
             key, req = self.queue.popitem(last=False)
             self.inflight[key] = req
@@ -194,10 +219,12 @@ class Leader:
         """On the lane: 2. broadcast the batch to followers, 3. run it here."""
         if self.world > 1:
             self.runner.group.broadcast(batch.encode())
-        return self.runner.run(batch) if batch.requests else ([], None)
+        return self.runner.run(batch) if not batch.empty else ([], None)
 
     def _finish(self, batch: Batch, results: list[dict]) -> None:
-        """4. Answer each request once; forget it."""
+        """4. Answer each request once; forget it. Ack the sessions this batch closed."""
+        for client, sid in self._acking:
+            self._send_to_client(client, protocol.ack_close(sid))
         for req, res in zip(batch.requests, results):
             self.inflight.pop(req.key, None)
             self.aborting.discard(req.key)
@@ -213,7 +240,7 @@ class Leader:
         try:
             while not self._done():
                 batch = await self._next_batch()
-                if not batch.requests and self.world == 1:
+                if batch.empty and self.world == 1:
                     continue
                 step = asyncio.ensure_future(self.lane.run(self._lead, batch))
                 now = asyncio.ensure_future(self._now.wait())

@@ -30,6 +30,7 @@ from .group import GlooGroup, SoloGroup
 from .lane import Lane
 from .log import event
 from .rank import Follower, Leader
+from .sessions import SessionStore
 
 
 def run_rank(cfg: Config, rank: int, world: int) -> int:
@@ -47,7 +48,8 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         return 3
     lane = Lane(cfg.collective_timeout)
     engine = ReferenceEngine(rank, world, seed=cfg.seed, stall_s=cfg.stall_s)
-    runner = BatchRunner(group, engine, Faults(cfg.faults, rank), unlinks=(rank == 0))
+    runner = BatchRunner(group, engine, Faults(cfg.faults, rank), unlinks=(rank == 0),
+                         sessions=SessionStore(cfg.session_max_bytes))
     code = _run_loop(cfg, runner, lane, rank, world)
     if code != 0:
         logging.shutdown()

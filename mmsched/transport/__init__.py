@@ -51,14 +51,19 @@ class UnavailableFeature:
         pass
 
 
-def open_feature(item: Item, rid: str, faults: Faults, sessions=None) -> Feature:
-    """Open one item on this rank. Never raises: errors are kept on the feature."""
+def open_feature(item: Item, rid: str, faults: Faults, lookup=None) -> Feature:
+    """Open one item on this rank. Never raises: errors are kept on the feature.
+
+    ``lookup(ref)`` resolves a session item to the session's stored tensor.
+    """
     from . import inline, shm
 
     if item.transport == "shm":
         return shm.ShmFeature(item, rid, faults)
     if item.transport == "inline":
         return inline.InlineFeature(item, rid, faults)
-    if item.transport == "session" and sessions is not None:
-        return sessions.open(item, rid, faults)
+    if item.transport == "session" and lookup is not None:
+        from ..sessions import SessionFeature
+
+        return SessionFeature(item, rid, faults, lookup)
     return UnavailableFeature(item, rid, NotImplementedError(f"transport {item.transport!r} is not enabled"))

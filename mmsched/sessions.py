@@ -1,0 +1,111 @@
+"""Session features: kept, materialized, on every rank until close_session or the idle timeout.
+
+The store is mutated only on the collective lane, in batch order, from decisions the
+leader put in the batch (closes, expiries) or that every rank reaches alike (a turn that
+succeeded everywhere stores what it brought). So every rank holds the same features
+without a collective of its own. A failed or aborted turn stores nothing and releases
+nothing the session already had. Memory is bounded: a turn whose new features would
+not fit is refused (503), never an older feature evicted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .faults import Faults
+from .protocol import Item
+
+
+@dataclass
+class Session:
+    features: dict[str, torch.Tensor] = field(default_factory=dict)
+    nbytes: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+def _size(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class SessionStore:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._sessions: dict[str, Session] = {}
+
+    def has(self, session_id: str | None, feature_id: str) -> bool:
+        s = self._sessions.get(session_id) if session_id is not None else None
+        return s is not None and feature_id in s.features
+
+    def lookup(self, session_id: str | None, feature_id: str) -> torch.Tensor:
+        s = self._sessions.get(session_id) if session_id is not None else None
+        if s is None or feature_id not in s.features:
+            raise KeyError(f"session {session_id!r} holds no feature {feature_id!r}")
+        return s.features[feature_id]
+
+    def fits(self, session_id: str, new: dict[str, torch.Tensor], pending: int = 0) -> bool:
+        """Would storing ``new`` (replacing same-id features) on top of ``pending`` bytes fit?"""
+        s = self._sessions.get(session_id)
+        freed = sum(_size(s.features[k]) for k in new if s and k in s.features)
+        return self.nbytes + pending - freed + sum(_size(t) for t in new.values()) <= self.max_bytes
+
+    def put(self, session_id: str, new: dict[str, torch.Tensor]) -> None:
+        s = self._sessions.setdefault(session_id, Session())
+        for k, t in new.items():
+            old = s.features.pop(k, None)
+            if old is not None:
+                s.nbytes -= _size(old)
+                self.nbytes -= _size(old)
+            s.features[k] = t
+            s.nbytes += _size(t)
+            self.nbytes += _size(t)
+        s.last_used = time.monotonic()
+
+    def touch(self, session_id: str) -> None:
+        s = self._sessions.get(session_id)
+        if s is not None:
+            s.last_used = time.monotonic()
+
+    def close(self, session_id: str) -> int:
+        """Release every feature of the session; returns the bytes freed."""
+        s = self._sessions.pop(session_id, None)
+        if s is None:
+            return 0
+        self.nbytes -= s.nbytes
+        return s.nbytes
+
+    def idle(self, timeout_s: float, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        return [sid for sid, s in self._sessions.items() if now - s.last_used > timeout_s]
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __repr__(self) -> str:
+        return f"<SessionStore sessions={len(self._sessions)} bytes={self.nbytes}/{self.max_bytes}>"
+
+
+class SessionFeature:
+    """A ``transport: "session"`` item: the stored tensor, shared read-only with the session."""
+
+    __slots__ = ("item", "rid", "error", "_faults", "_tensor")
+
+    def __init__(self, item: Item, rid: str, faults: Faults, lookup):
+        self.item, self.rid, self.error, self._faults, self._tensor = item, rid, None, faults, None
+        try:
+            faults.check("open", rid)
+            self._tensor = lookup(item.ref)
+        except Exception as exc:
+            self.error = exc
+
+    def materialize(self) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        self._faults.check("materialize", self.rid)
+        return self._tensor
+
+    def release(self, unlink: bool) -> None:
+        self._tensor = None  # the session keeps its own reference
