@@ -78,8 +78,9 @@ class BatchRunner:
         if not reqs:
             return [], stats
         # 1. open every feature; errors stay on the feature
-        opened = [[open_feature(it, r.rid, self.faults, self._lookup(r.session_id)) for it in r.items]
-                  for r in reqs]
+        rank, world = self.group.rank, self.group.world
+        opened = [[open_feature(it, r.rid, self.faults, self._lookup(r.session_id), rank, world)
+                   for it in r.items] for r in reqs]
         # 2. materialize into owned memory; a failure is recorded, never raised
         flags = np.zeros(n, dtype=np.int64)
         errors: dict[int, str] = {}

@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     cfgp = sub.add_parser("config", help="print the effective configuration")
     _add_config_flags(cfgp)
     cfgp.add_argument("--print", action="store_true", dest="do_print", help="print it as TOML")
+    sw = sub.add_parser("sweep", help="reclaim orphaned segments (unlocked, old, prefixed)")
+    sw.add_argument("--shm-prefix", default=None, help="segment name prefix (default from config)")
+    sw.add_argument("--grace", type=float, default=None, metavar="S", help="minimum age in seconds")
+    sw.add_argument("--dry-run", action="store_true", help="list what would be reclaimed, unlink nothing")
+    sw.add_argument("--config", metavar="FILE", help="TOML config file")
     return parser
 
 
@@ -41,6 +46,8 @@ def _load(args: argparse.Namespace) -> config_mod.Config:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.command == "sweep":
+        return _sweep(args)
     try:
         cfg = _load(args)
     except ConfigError as exc:
@@ -58,6 +65,24 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.tp == 1:
         return run_rank(cfg, 0, 1)
     return launch_group(cfg, argv)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from . import log
+    from .sweep import sweep
+
+    try:
+        cfg = config_mod.load(args.config, flags={"shm_prefix": args.shm_prefix, "sweep_grace": args.grace})
+    except ConfigError as exc:
+        print(f"mmsched: config error: {exc}", file=sys.stderr)
+        return 2
+    log.setup(-1, cfg.log_format, cfg.log_level)
+    report = sweep(cfg.shm_prefix, cfg.sweep_grace, dry_run=args.dry_run)
+    verb = "would reclaim" if args.dry_run else "reclaimed"
+    for name in report.reclaimed:
+        print(f"{verb} {name}")
+    print(f"sweep {report}")
+    return 0
 
 
 if __name__ == "__main__":

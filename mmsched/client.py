@@ -52,6 +52,11 @@ def ref(feature_id: str, modality: str = "image") -> Feature:
     return Feature("session", modality=modality, ref=feature_id)
 
 
+def cuda_ipc(tensor: torch.Tensor, modality: str = "image", id: str | None = None) -> Feature:
+    """A slot of the client's IpcPool; falls back to shm when the pool is full."""
+    return Feature("cuda_ipc", tensor, modality, id)
+
+
 def raw(item: dict, payload: bytes | None = None) -> Feature:
     """An item map sent as is (tests, other transports); ``"frame": -1`` points at ``payload``."""
     return Feature("raw", item=item, payload=payload)
@@ -93,8 +98,10 @@ class Client:
     _ids = itertools.count()
 
     def __init__(self, address: str, *, shm_prefix: str = "mmsched_", timeout: float = 60.0,
-                 context: zmq.asyncio.Context | None = None):
+                 context: zmq.asyncio.Context | None = None, ipc_pool=None):
         self.address, self.shm_prefix, self.timeout = address, shm_prefix, timeout
+        self.ipc_pool = ipc_pool
+        self._leases: dict[str, list] = {}  # rid -> pool leases, forgotten on a 400
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -165,18 +172,23 @@ class Client:
             header["want_digest"] = True
         frames: list[Any] = []
         segments: list[Segment] = []
+        leases: list = []
         try:
-            header["mm_items"] = [self._item(f, frames, segments) for f in features]
+            header["mm_items"] = [self._item(f, frames, segments, leases) for f in features]
             fut = self.send_raw(header, frames, rid=rid)
         except BaseException:
             for s in segments:
                 s.discard()
+            for lease in leases:
+                self.ipc_pool.forget(lease)
             raise
+        if leases:
+            self._leases[rid] = leases
         for s in segments:
             s.sent()  # ownership passed to mmsched
         return fut
 
-    def _item(self, f: Feature, frames: list, segments: list[Segment]) -> dict:
+    def _item(self, f: Feature, frames: list, segments: list[Segment], leases: list) -> dict:
         if f.transport == "raw":
             item = dict(f.item)
             if item.get("frame") == -1:
@@ -189,7 +201,13 @@ class Client:
         item = {"modality": f.modality, "dtype": _DTYPE_NAME[t.dtype], "shape": list(t.shape)}
         if f.id is not None:
             item["id"] = f.id
-        if f.transport == "shm":
+        if f.transport == "cuda_ipc":
+            lease = self.ipc_pool.lease(t) if self.ipc_pool is not None else None
+            if lease is not None:
+                leases.append(lease)
+                return dict(item, transport="cuda_ipc", ipc=self.ipc_pool.item(t, lease))
+            log.warning("ipc_pool_full falling_back=shm nbytes=%d", t.numel() * t.element_size())
+        if f.transport in ("shm", "cuda_ipc"):
             try:
                 seg = create_segment(t, self.shm_prefix)
             except ShmFull as exc:
@@ -249,6 +267,10 @@ class Client:
             if kind == "result":
                 res = Result.from_header(h)
                 fut = self._results.get(res.rid) if res.rid is not None else None
+                leases = self._leases.pop(res.rid, None) if res.rid is not None else None
+                if leases and res.status == 400:  # no rank saw it: nobody will acknowledge
+                    for lease in leases:
+                        self.ipc_pool.forget(lease)
                 if fut is None or fut.done():
                     self.unrouted.append(res)
                 else:

@@ -45,6 +45,8 @@ class Config:
     stall_s: float = _opt(3.0, "seconds a 'stall' fault holds its rank before the engine collective", 0, 3600)
     session_idle_timeout: float = _opt(600.0, "seconds a session may sit unused before its features are released", 0.001, 1e9)
     session_max_bytes: int = _opt(1 << 30, "most feature bytes all sessions together may hold; beyond it, 503", 0, 1 << 42)
+    sweep_grace: float = _opt(60.0, "seconds an unlocked, prefixed segment must be old before the sweep takes it", 0, 1e9)
+    sweep_interval: float = _opt(30.0, "seconds between orphan sweeps while serving (0: only at start-up)", 0, 1e9)
     max_input_len: int = _opt(131072, "most input ids per request", 1, 1 << 26)
     max_items: int = _opt(64, "most mm_items per request", 0, 1 << 16)
     max_item_bytes: int = _opt(1 << 30, "most bytes one feature may hold", 0, 1 << 40)

@@ -108,6 +108,7 @@ class Request:
     want_digest: bool = False
     params: dict = field(default_factory=dict)
     client: bytes = b""
+    holds: list = field(default_factory=list)  # leader: fds locking its segments while queued
 
     @property
     def key(self) -> tuple[bytes, str]:
@@ -236,7 +237,7 @@ def _decode(h: dict, frames: Sequence[Any], limits: Limits) -> Message:
     if h.get("v") != VERSION:
         raise BadRequest("v", f"unsupported protocol version {h.get('v')!r} (this server speaks 1)")
     typ = h.get("type")
-    if typ in REQUEST_TYPES:
+    if _one_of(typ, REQUEST_TYPES):
         return _request(h, typ, frames, limits)
     if typ == "ping":
         return Ping()
@@ -285,7 +286,7 @@ def _item(i: int, it: Any, frames: Sequence[Any], limits: Limits) -> Item:
     if not isinstance(it, dict):
         raise BadRequest(f, "must be a map")
     transport = it.get("transport")
-    if transport not in TRANSPORTS:
+    if not _one_of(transport, TRANSPORTS):
         raise BadRequest(f"{f}.transport", f"must be one of {sorted(TRANSPORTS)}")
     item_id = _opt_str(it, "id", f)
     if transport == "session":
@@ -293,16 +294,16 @@ def _item(i: int, it: Any, frames: Sequence[Any], limits: Limits) -> Item:
         if ref is None:
             raise BadRequest(f"{f}.ref", "required for transport 'session'")
         modality = it.get("modality", "other")
-        if modality not in MODALITIES:
+        if not _one_of(modality, MODALITIES):
             raise BadRequest(f"{f}.modality", f"must be one of {sorted(MODALITIES)}")
         # dtype/shape come from the session's stored feature.
         return Item(index=i, modality=modality, transport=transport, dtype="uint8", shape=(0,),
                     nbytes=0, ref=ref, id=item_id)
     modality = it.get("modality")
-    if modality not in MODALITIES:
+    if not _one_of(modality, MODALITIES):
         raise BadRequest(f"{f}.modality", f"must be one of {sorted(MODALITIES)}")
     dtype = it.get("dtype")
-    if dtype not in ITEMSIZE:
+    if not _one_of(dtype, ITEMSIZE):
         raise BadRequest(f"{f}.dtype", f"must be one of {' '.join(ITEMSIZE)}")
     shape = it.get("shape")
     if (not isinstance(shape, list) or not 1 <= len(shape) <= 8
@@ -336,12 +337,27 @@ def _item(i: int, it: Any, frames: Sequence[Any], limits: Limits) -> Item:
             raise BadRequest(f"{f}.frame", f"frame {idx} holds {payload.nbytes} bytes, "
                              f"dtype and shape say {nbytes}")
         item.payload = payload
-    else:  # cuda_ipc
-        ipc = it.get("ipc")
-        if not isinstance(ipc, dict):
-            raise BadRequest(f"{f}.ipc", "required for transport 'cuda_ipc' (see docs/protocol.md)")
-        item.ipc = ipc
+    else:
+        item.ipc = _ipc(it.get("ipc"), f"{f}.ipc", limits)
     return item
+
+
+def _ipc(ipc: Any, f: str, limits: Limits) -> dict:
+    """The ``ipc`` map of a cuda_ipc item: where the slice is and where to acknowledge it."""
+    if not isinstance(ipc, dict):
+        raise BadRequest(f, "required for transport 'cuda_ipc': a map (see docs/protocol.md)")
+    if ipc.get("device") not in ("cuda", "shm"):
+        raise BadRequest(f"{f}.device", "must be 'cuda' or 'shm'")
+    if not isinstance(ipc.get("handle"), bytes) or not 1 <= len(ipc["handle"]) <= 4096:
+        raise BadRequest(f"{f}.handle", "must be a bin of 1-4096 bytes")
+    if not valid_shm_name(ipc.get("acks"), limits.shm_prefix):
+        raise BadRequest(f"{f}.acks", f"must be a segment name starting with {limits.shm_prefix!r}")
+    if ipc["device"] == "shm" and not valid_shm_name(ipc["handle"].decode(errors="replace"), limits.shm_prefix):
+        raise BadRequest(f"{f}.handle", f"an shm pool handle must name a segment starting with {limits.shm_prefix!r}")
+    for key, lo in (("ranks", 1), ("slot", 0), ("offset", 0), ("generation", 1)):
+        if not _is_int(ipc.get(key)) or ipc[key] < lo:
+            raise BadRequest(f"{f}.{key}", f"must be an int >= {lo}")
+    return {k: ipc[k] for k in ("device", "handle", "acks", "ranks", "slot", "offset", "generation")}
 
 
 def _nbytes(shape: Sequence[int], dtype: str) -> int:
@@ -355,7 +371,10 @@ def _input_ids(v: Any, limits: Limits) -> np.ndarray:
             raise BadRequest(f, "bin length must be a multiple of 4 (little-endian int32)")
         arr = np.frombuffer(v, dtype="<i4")
     elif isinstance(v, list):
-        arr = np.array(v) if v else np.zeros(0, dtype=np.int64)
+        try:
+            arr = np.array(v) if v else np.zeros(0, dtype=np.int64)
+        except (ValueError, TypeError, OverflowError):  # ragged or otherwise not an int array
+            raise BadRequest(f, "must be an array of ints or a bin of int32") from None
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
             raise BadRequest(f, "must be an array of ints or a bin of int32")
     else:
@@ -365,6 +384,11 @@ def _input_ids(v: Any, limits: Limits) -> np.ndarray:
     if arr.min() < 0 or arr.max() >= 2**31:
         raise BadRequest(f, "each id must satisfy 0 <= id < 2^31")
     return arr.astype("<i4", copy=False)
+
+
+def _one_of(v: Any, choices) -> bool:
+    """``v in choices`` for any decoded value (a list or map is unhashable: not a member)."""
+    return isinstance(v, str) and v in choices
 
 
 def _is_int(v: Any) -> bool:

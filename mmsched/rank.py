@@ -22,7 +22,9 @@ from .lane import Lane
 from .log import event
 from .protocol import (BAD_REQUEST, INTERNAL, UNAVAILABLE, Abort, CloseSession, Ping, Request,
                        pack, result)
-from .transport.shm import unlink_segment
+from .sweep import sweep
+from .transport.cuda_ipc import acknowledge
+from .transport.shm import drop, hold, unlink_segment
 
 
 class State(enum.Enum):
@@ -76,6 +78,7 @@ class Leader:
         self.aborting: set[tuple] = set()
         self.broken_reason: str | None = None
         self.results_sent: dict[int, int] = {}
+        self.orphans_reclaimed = 0
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._now = asyncio.Event()
@@ -104,6 +107,10 @@ class Leader:
         """Answer a request that never reached the ranks: the leader owns its segments alone."""
         for name in req.owned_segments:
             unlink_segment(name, req.rid)
+        drop(req.holds)
+        for it in req.items:
+            if it.transport == "cuda_ipc":  # no rank will read it: acknowledge for all of them
+                acknowledge(it, range(self.world), req.rid)
         self._send_to_client(req.client, result(req.rid, status, message, meta=meta))
 
     async def _recv_from_clients(self) -> None:
@@ -177,6 +184,7 @@ class Leader:
         elif len(self.queue) >= self.cfg.max_queue:
             self._answer(req, UNAVAILABLE, f"overloaded: {len(self.queue)} requests queued (max_queue)")
         else:
+            req.holds = hold(req.owned_segments)
             self.queue[req.key] = req
 
     def _abort(self, key: tuple) -> None:
@@ -226,6 +234,7 @@ class Leader:
         for client, sid in self._acking:
             self._send_to_client(client, protocol.ack_close(sid))
         for req, res in zip(batch.requests, results):
+            drop(req.holds)
             self.inflight.pop(req.key, None)
             self.aborting.discard(req.key)
             if res["status"] == INTERNAL:
@@ -237,6 +246,7 @@ class Leader:
         self.state = State.SERVING
         event("serving", frontend=self.cfg.frontend, ranks=self.world, max_batch=self.cfg.max_batch)
         receiver = asyncio.ensure_future(self._recv_from_clients())
+        sweeper = asyncio.ensure_future(self._sweep_orphans())
         try:
             while not self._done():
                 batch = await self._next_batch()
@@ -263,9 +273,21 @@ class Leader:
             return 0
         finally:
             receiver.cancel()
-            await asyncio.gather(receiver, return_exceptions=True)
+            sweeper.cancel()
+            await asyncio.gather(receiver, sweeper, return_exceptions=True)
             self.sock.close(linger=1000)
             self.ctx.term()
+
+    async def _sweep_orphans(self) -> None:
+        """At start-up, then every sweep_interval: reclaim what crashed clients or ranks left behind."""
+        loop = asyncio.get_running_loop()
+        while True:
+            in_flight = {n for r in (*self.queue.values(), *self.inflight.values()) for n in r.owned_segments}
+            report = await loop.run_in_executor(None, sweep, self.cfg.shm_prefix, self.cfg.sweep_grace, in_flight)
+            self.orphans_reclaimed += len(report.reclaimed)
+            if not self.cfg.sweep_interval:
+                return
+            await asyncio.sleep(self.cfg.sweep_interval)
 
     def _done(self) -> bool:
         if self.state is not State.DRAINING:

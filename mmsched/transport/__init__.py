@@ -51,7 +51,7 @@ class UnavailableFeature:
         pass
 
 
-def open_feature(item: Item, rid: str, faults: Faults, lookup=None) -> Feature:
+def open_feature(item: Item, rid: str, faults: Faults, lookup=None, rank: int = 0, world: int = 1) -> Feature:
     """Open one item on this rank. Never raises: errors are kept on the feature.
 
     ``lookup(ref)`` resolves a session item to the session's stored tensor.
@@ -66,4 +66,8 @@ def open_feature(item: Item, rid: str, faults: Faults, lookup=None) -> Feature:
         from ..sessions import SessionFeature
 
         return SessionFeature(item, rid, faults, lookup)
+    if item.transport == "cuda_ipc":
+        from .cuda_ipc import CudaIpcFeature
+
+        return CudaIpcFeature(item, rid, faults, rank, world)
     return UnavailableFeature(item, rid, NotImplementedError(f"transport {item.transport!r} is not enabled"))

@@ -112,6 +112,28 @@ def unlink_segment(name: str, rid: str | None = None, quiet_if_missing: bool = F
     return False
 
 
+def hold(names: list[str]) -> list[int]:
+    """Shared-lock each segment while its request waits at the leader (the sweep skips them)."""
+    fds = []
+    for name in names:
+        try:
+            fd = os.open(shm_path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # missing: the request will fail to open it, as it should
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a sweep holds its exclusive lock only for an instant
+        fds.append(fd)
+    return fds
+
+
+def drop(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+
+
 # ---------------------------------------------------------------- producer (client side)
 
 class Segment:
@@ -125,6 +147,11 @@ class Segment:
 
     def __init__(self, name: str, nbytes: int, fd: int):
         self.name, self.nbytes, self._fd = name, nbytes, fd
+
+    @property
+    def fd(self) -> int:
+        """The producer's read-write descriptor (holding the shared lock), -1 once sent."""
+        return self._fd
 
     def sent(self) -> None:
         if self._fd >= 0:

@@ -1,0 +1,72 @@
+"""Reclaim orphaned segments: prefixed, unlocked, not in flight, and older than the grace period.
+
+Holders keep a shared flock (clients until they send, the leader from admission until
+the request is answered, every rank while it reads), so a segment that anybody still
+uses is never taken: age alone never deletes. The check and the unlink happen while
+the sweep holds an exclusive lock, so a holder cannot slip in between.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+from .log import event
+from .protocol import valid_shm_name
+from .transport.shm import SHM_DIR, shm_path
+
+
+@dataclass
+class SweepReport:
+    reclaimed: list[str] = field(default_factory=list)
+    locked: list[str] = field(default_factory=list)
+    young: list[str] = field(default_factory=list)
+    in_flight: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return (f"reclaimed={len(self.reclaimed)} locked={len(self.locked)} "
+                f"young={len(self.young)} in_flight={len(self.in_flight)}")
+
+
+def sweep(prefix: str, grace_s: float, in_flight: frozenset[str] | set[str] = frozenset(),
+          dry_run: bool = False) -> SweepReport:
+    report = SweepReport()
+    try:
+        names = sorted(os.listdir(SHM_DIR))
+    except OSError as exc:
+        event("sweep_failed", logging.WARNING, error=str(exc))
+        return report
+    for name in names:
+        if not valid_shm_name(name, prefix):
+            continue
+        if name in in_flight:
+            report.in_flight.append(name)
+            continue
+        try:
+            fd = os.open(shm_path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue  # gone already, or not a regular file we may touch
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                report.locked.append(name)
+                continue
+            if time.time() - os.fstat(fd).st_mtime < grace_s:
+                report.young.append(name)
+                continue
+            if not dry_run:
+                try:
+                    os.unlink(shm_path(name))
+                except FileNotFoundError:
+                    continue
+            report.reclaimed.append(name)
+        finally:
+            os.close(fd)
+    if report.reclaimed:
+        event("orphans_reclaimed", count=len(report.reclaimed), dry_run=dry_run,
+              names=",".join(report.reclaimed[:5]))
+    return report

@@ -1,0 +1,335 @@
+"""CUDA IPC features from a producer-owned pool, with per-rank acknowledgement.
+
+The producer exports one pooled device buffer once and leases fixed-size slots of it;
+a request carries its slot (offset, nbytes, dtype, shape, generation) and the pool's
+handle. Every consumer rank copies its slice onto its own device and then writes the
+slot's generation into its cell of a small *ack board* (a shared-memory int64 array,
+slots x ranks, owned by the producer). The producer recycles a slot only when every
+rank's cell holds the lease's generation, so a stale ack can never free a newer lease.
+A rank that fails or is aborted before copying acknowledges without reconstruction,
+and the leader acknowledges for every rank when a request never reached the group
+(400, 503, aborted while queued): the pool never loses a slot.
+
+The device is behind ``Device``: ``CudaDevice`` (torch CUDA IPC) where CUDA exists,
+``ShmDevice`` (a /dev/shm segment standing in for device memory) everywhere, which is
+how the pool's logic is tested on CPU-only machines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ..errors import FeatureError, describe
+from ..faults import Faults
+from ..log import event
+from ..protocol import Item
+from . import typed
+from .shm import create_segment, read_into, shm_path, tensor_bytes
+
+
+class Device(Protocol):
+    kind: str
+
+    def export(self, nbytes: int, prefix: str) -> tuple[object, bytes]:
+        """Producer: allocate a pool buffer; returns (buffer, handle to send)."""
+
+    def write(self, buffer: object, offset: int, data: torch.Tensor) -> None:
+        """Producer: fill a slot."""
+
+    def attach(self, handle: bytes) -> object:
+        """Consumer: open the pool (cached by the caller)."""
+
+    def copy_out(self, pool: object, offset: int, nbytes: int) -> torch.Tensor:
+        """Consumer: copy a slice into memory this rank owns (uint8)."""
+
+    def detach(self, pool: object) -> None: ...
+
+    def free(self, buffer: object) -> None: ...
+
+
+class ShmDevice:
+    """Device memory stood in for by a /dev/shm segment: the CPU path of this transport."""
+
+    kind = "shm"
+
+    def export(self, nbytes, prefix):
+        seg = create_segment(b"", prefix, size=nbytes)
+        return seg, seg.name.encode()
+
+    def write(self, buffer, offset, data):
+        buf = tensor_bytes(data)
+        fd = os.open(shm_path(buffer.name), os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            pos = 0
+            while pos < buf.nbytes:
+                pos += os.pwrite(fd, buf[pos:], offset + pos)
+        finally:
+            os.close(fd)
+
+    def attach(self, handle):
+        name = handle.decode()
+        fd = os.open(shm_path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        return (fd, name, os.fstat(fd).st_size)
+
+    def copy_out(self, pool, offset, nbytes):
+        fd, name, size = pool
+        if offset + nbytes > size:
+            raise FeatureError(f"pool {name} holds {size} bytes; slice ends at {offset + nbytes}")
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        read_into(fd, out.numpy(), offset, name)
+        return out
+
+    def detach(self, pool):
+        os.close(pool[0])
+
+    def free(self, buffer):
+        buffer.discard()
+
+
+class CudaDevice:
+    """Real CUDA IPC through torch's storage sharing (the rebuild torch.multiprocessing does)."""
+
+    kind = "cuda"
+
+    def __init__(self, device: int | None = None):
+        if not torch.cuda.is_available():
+            raise FeatureError("CUDA is not available on this rank")
+        self.device = torch.cuda.current_device() if device is None else device
+
+    def export(self, nbytes, prefix):
+        import pickle
+
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+        return buf, pickle.dumps(buf.untyped_storage()._share_cuda_())
+
+    def write(self, buffer, offset, data):
+        src = data.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[offset: offset + src.numel()].copy_(src, non_blocking=False)
+
+    def attach(self, handle):
+        import pickle
+
+        (dev, h, size, off, rc_h, rc_off, ev_h, ev_sync) = pickle.loads(handle)  # noqa: S301 - our own tuple
+        storage = torch.UntypedStorage._new_shared_cuda(dev, h, size, off, rc_h, rc_off, ev_h, ev_sync)
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+    def copy_out(self, pool, offset, nbytes):
+        if offset + nbytes > pool.numel():
+            raise FeatureError(f"pool holds {pool.numel()} bytes; slice ends at {offset + nbytes}")
+        out = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
+        out.copy_(pool[offset: offset + nbytes])
+        torch.cuda.current_stream(self.device).synchronize()
+        return out
+
+    def detach(self, pool):
+        del pool
+
+    def free(self, buffer):
+        del buffer
+
+
+def device_for(kind: str) -> Device:
+    if kind == "shm":
+        return ShmDevice()
+    if kind == "cuda":
+        return CudaDevice()
+    raise FeatureError(f"unknown cuda_ipc device kind {kind!r}")
+
+
+# ---------------------------------------------------------------- the ack board
+
+class AckBoard:
+    """slots x ranks int64 generations in a segment the producer owns (never unlinked by mmsched).
+
+    The producer's handle keeps the segment's shared flock for the pool's life, so the
+    orphan sweep leaves it alone until the producer is gone.
+    """
+
+    def __init__(self, name: str, slots: int, ranks: int, fd: int, segment=None):
+        self.name, self.slots, self.ranks, self._fd, self._segment = name, slots, ranks, fd, segment
+
+    @classmethod
+    def create(cls, prefix: str, slots: int, ranks: int) -> "AckBoard":
+        seg = create_segment(np.zeros(slots * ranks, dtype=np.int64).tobytes(), prefix)
+        return cls(seg.name, slots, ranks, seg.fd, seg)
+
+    @classmethod
+    def open(cls, name: str) -> "AckBoard":
+        return cls(name, 0, 0, os.open(shm_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW))
+
+    def ack(self, slot: int, rank: int, ranks: int, generation: int) -> None:
+        pos = (slot * ranks + rank) * 8
+        if pos + 8 > os.fstat(self._fd).st_size:
+            raise FeatureError(f"ack board {self.name} has no cell for slot {slot}, rank {rank}")
+        os.pwrite(self._fd, int(generation).to_bytes(8, "little", signed=True), pos)
+
+    def read(self) -> np.ndarray:
+        raw = os.pread(self._fd, self.slots * self.ranks * 8, 0)
+        return np.frombuffer(raw, dtype="<i8").reshape(self.slots, self.ranks)
+
+    def close(self) -> None:
+        if self._segment is not None:  # the producer's board: remove it
+            self._segment.discard()
+        elif self._fd >= 0:
+            os.close(self._fd)
+        self._fd = -1
+
+
+# ---------------------------------------------------------------- producer: the pool
+
+@dataclass(frozen=True)
+class Lease:
+    slot: int
+    offset: int
+    nbytes: int
+    generation: int
+
+
+class IpcPool:
+    """Producer side: one exported buffer, fixed-size slots, recycled on every rank's ack."""
+
+    def __init__(self, device: Device, slots: int, slot_bytes: int, ranks: int, prefix: str = "mmsched_"):
+        self.device, self.slot_bytes, self.ranks, self.prefix = device, slot_bytes, ranks, prefix
+        self.buffer, self.handle = device.export(slots * slot_bytes, prefix)
+        self.board = AckBoard.create(prefix, slots, ranks)
+        self.generation = [0] * slots
+        self._free = deque(range(slots))
+        self._leased: set[int] = set()
+
+    def lease(self, t: torch.Tensor) -> Lease | None:
+        """A slot holding ``t``, or None when the pool is full or ``t`` too big (fall back to shm)."""
+        nbytes = t.numel() * t.element_size()
+        if nbytes > self.slot_bytes:
+            return None
+        if not self._free:
+            self.reclaim()
+        if not self._free:
+            return None
+        slot = self._free.popleft()
+        self.generation[slot] += 1
+        self.device.write(self.buffer, slot * self.slot_bytes, t)
+        self._leased.add(slot)
+        return Lease(slot, slot * self.slot_bytes, nbytes, self.generation[slot])
+
+    def reclaim(self) -> int:
+        """Free every leased slot that all ranks acknowledged at its current generation."""
+        acks = self.board.read()
+        done = [s for s in self._leased if (acks[s] >= self.generation[s]).all()]
+        for s in done:
+            self._leased.discard(s)
+            self._free.append(s)
+        return len(done)
+
+    def forget(self, lease: Lease) -> None:
+        """Take a slot back that no rank will ever see (its request got a 400 before reaching them)."""
+        if lease.slot in self._leased and self.generation[lease.slot] == lease.generation:
+            self._leased.discard(lease.slot)
+            self._free.append(lease.slot)
+
+    def item(self, t: torch.Tensor, lease: Lease) -> dict:
+        """The ``ipc`` map of a cuda_ipc item (see docs/protocol.md)."""
+        return {"device": self.device.kind, "handle": self.handle, "acks": self.board.name,
+                "ranks": self.ranks, "slot": lease.slot, "offset": lease.offset,
+                "generation": lease.generation}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_leased(self) -> int:
+        return len(self._leased)
+
+    def close(self) -> None:
+        self.board.close()
+        self.device.free(self.buffer)
+
+    def __repr__(self) -> str:
+        return f"<IpcPool {self.device.kind} free={self.num_free} leased={self.num_leased} slot={self.slot_bytes}B>"
+
+
+# ---------------------------------------------------------------- consumer: the feature
+
+class _Attachments:
+    """Per-rank caches of attached pools and ack boards, bounded (LRU)."""
+
+    def __init__(self, limit: int = 16):
+        self.limit = limit
+        self.pools: OrderedDict[tuple, tuple[Device, object]] = OrderedDict()
+        self.boards: OrderedDict[str, AckBoard] = OrderedDict()
+
+    def pool(self, kind: str, handle: bytes) -> tuple[Device, object]:
+        key = (kind, handle)
+        if key in self.pools:
+            self.pools.move_to_end(key)
+            return self.pools[key]
+        dev = device_for(kind)
+        entry = (dev, dev.attach(handle))
+        self.pools[key] = entry
+        if len(self.pools) > self.limit:
+            _, (old_dev, old) = self.pools.popitem(last=False)
+            old_dev.detach(old)
+        return entry
+
+    def board(self, name: str) -> AckBoard:
+        if name in self.boards:
+            self.boards.move_to_end(name)
+            return self.boards[name]
+        b = self.boards[name] = AckBoard.open(name)
+        if len(self.boards) > self.limit:
+            self.boards.popitem(last=False)[1].close()
+        return b
+
+
+ATTACHED = _Attachments()
+
+
+def acknowledge(item: Item, ranks: range | list[int], rid: str | None = None) -> None:
+    """Write this lease's generation for ``ranks``; never raises (logs)."""
+    ipc = item.ipc
+    try:
+        board = ATTACHED.board(ipc["acks"])
+        for r in ranks:
+            board.ack(ipc["slot"], r, ipc["ranks"], ipc["generation"])
+    except Exception as exc:  # noqa: BLE001 - a release path
+        event("ack_failed", logging.WARNING, rid=rid, acks=ipc.get("acks"), error=describe(exc))
+
+
+class CudaIpcFeature:
+    __slots__ = ("item", "rid", "error", "rank", "_faults", "_pool", "_acked")
+
+    def __init__(self, item: Item, rid: str, faults: Faults, rank: int, world: int):
+        self.item, self.rid, self.error, self.rank, self._faults = item, rid, None, rank, faults
+        self._pool, self._acked = None, False
+        try:
+            faults.check("open", rid)
+            if item.ipc["ranks"] < world:
+                raise FeatureError(f"ack board has {item.ipc['ranks']} rank columns, the group has {world}")
+            self._pool = ATTACHED.pool(item.ipc["device"], item.ipc["handle"])
+        except Exception as exc:
+            self.error = exc
+
+    def materialize(self) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        self._faults.check("materialize", self.rid)
+        dev, pool = self._pool
+        raw = dev.copy_out(pool, self.item.ipc["offset"], self.item.nbytes)
+        self._ack()  # the slice is ours now: the producer may reuse it once every rank says so
+        return typed(raw, self.item)
+
+    def _ack(self) -> None:
+        if not self._acked:
+            self._acked = True
+            acknowledge(self.item, [self.rank], self.rid)
+
+    def release(self, unlink: bool) -> None:
+        self._ack()  # failed or aborted before copying: acknowledge without reconstruction
+        self._pool = None
