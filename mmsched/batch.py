@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 import msgpack
@@ -17,6 +18,7 @@ from .engine import Engine, EngineInput
 from .errors import describe
 from .faults import Faults
 from .log import event
+from .metrics import RankCounters
 from .protocol import ABORTED, INTERNAL, OK, UNAVAILABLE, Request, result
 from .sessions import SessionStore
 from .transport import Feature, open_feature
@@ -28,19 +30,20 @@ class Batch:
     requests: list[Request] = field(default_factory=list)
     stop: bool = False
     closes: list[str] = field(default_factory=list)  # sessions to release first (close or idle)
+    gather_stats: bool = False  # after the step, every rank all-gathers its counters
 
     @property
     def empty(self) -> bool:
         return not self.requests and not self.closes
 
     def encode(self) -> bytes:
-        return msgpack.packb([self.seq, self.stop, [r.wire() for r in self.requests], self.closes],
-                             use_bin_type=True)
+        return msgpack.packb([self.seq, self.stop, [r.wire() for r in self.requests], self.closes,
+                              self.gather_stats], use_bin_type=True)
 
     @classmethod
     def decode(cls, buf) -> "Batch":
-        seq, stop, reqs, closes = msgpack.unpackb(buf, raw=False)
-        return cls(seq, [Request.from_wire(w) for w in reqs], stop, closes)
+        seq, stop, reqs, closes, gather_stats = msgpack.unpackb(buf, raw=False)
+        return cls(seq, [Request.from_wire(w) for w in reqs], stop, closes, gather_stats)
 
 
 @dataclass
@@ -51,6 +54,7 @@ class StepStats:
     failed: int = 0
     unlinked: int = 0
     feature_bytes: int = 0
+    consensus_s: float = 0.0
 
 
 def digest_prefix(digests: list[str]) -> int:
@@ -66,6 +70,11 @@ class BatchRunner:
                  is_aborted=lambda req: False):
         self.group, self.engine, self.faults = group, engine, faults
         self.unlinks, self.sessions, self.is_aborted = unlinks, sessions, is_aborted
+        self.counters = RankCounters()
+
+    def exchange_counters(self) -> dict[int, dict]:
+        """A collective: every rank's counter snapshot, by rank (the leader keeps them for /metrics)."""
+        return dict(enumerate(self.group.all_gather_object(self.counters.snapshot())))
 
     def _lookup(self, session_id: str | None):
         return lambda ref: self.sessions.lookup(session_id, ref)
@@ -96,13 +105,16 @@ class BatchRunner:
             except Exception as exc:
                 flags[i], errors[i] = consensus.FAILED, describe(exc)
                 tensors[i] = []
+                self.counters.failures["open" if any(f.error for f in feats) else "materialize"] += 1
                 continue
             if req.want_digest:
                 digests[i] = [hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
                               for t in tensors[i]]
                 prefixes[i, 0] = digest_prefix(digests[i])
         # 3. agree: one collective; the barrier before anyone unlinks
+        t0 = time.perf_counter()
         verdict = consensus.agree(self.group, flags, errors, extra=prefixes)
+        stats.consensus_s = time.perf_counter() - t0
         mismatch = (verdict.extra[:, :, 0] != verdict.extra[0:1, :, 0]).numpy()
         # 4. release: every rank closes, the leader unlinks each owned segment once
         stats.opened = sum(len(f) for f in opened)
@@ -113,8 +125,10 @@ class BatchRunner:
                 first = name is not None and name not in seen
                 if first:
                     seen.add(name)
-                f.release(unlink=self.unlinks and first)
-        stats.unlinked = len(seen) if self.unlinks else 0
+                if f.release(unlink=self.unlinks and first) is False:
+                    self.counters.release_failures += 1
+                stats.unlinked += getattr(f, "unlinked", False)
+        self.counters.segments_unlinked += stats.unlinked
         # 5. engine step on what survived everywhere (its own collective agrees late aborts)
         out: list[dict | None] = [None] * n
         refused = self._session_overflow(reqs, tensors, [i for i in range(n) if verdict.ok(i)])
@@ -124,6 +138,7 @@ class BatchRunner:
             eflags = np.array([consensus.ABORTED if self.is_aborted(reqs[i]) else 0 for i in live], dtype=np.int64)
             inputs = [EngineInput(reqs[i], tensors[i]) for i in live]
             outputs, everdict = self.engine.step(self.group, inputs, eflags, self.faults)
+            self.counters.failures["engine"] += int((everdict.flags[rank] == consensus.FAILED).sum())
         # 6. results (built on every rank, sent by the leader)
         results = []
         for i, req in enumerate(reqs):
@@ -156,6 +171,7 @@ class BatchRunner:
                         meta["digests"] = digests[i]
                     results.append(result(req.rid, OK, output=outputs[j], meta=meta))
                     stats.feature_bytes += req.feature_bytes
+        self.counters.bytes_materialized += stats.feature_bytes
         for req in reqs:
             if req.session_id is not None:
                 self.sessions.touch(req.session_id)

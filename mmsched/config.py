@@ -31,6 +31,7 @@ def _opt(default: Any, help: str, lo: float | None = None, hi: float | None = No
 @dataclass
 class Config:
     frontend: str = _opt("ipc:///tmp/mmsched.sock", "ZeroMQ ROUTER address the leader binds (ipc:// or tcp://)")
+    admin: str = _opt("", "admin HTTP endpoint for /health and /metrics: PORT or HOST:PORT (host 127.0.0.1); off when empty")
     tp: int = _opt(1, "number of ranks in the group", 1, 256)
     dist_init: str = _opt("", "torch.distributed init address for --tp N (default: a free 127.0.0.1 port)")
     shm_prefix: str = _opt("mmsched_", "only segments with this prefix are opened or unlinked")

@@ -109,6 +109,7 @@ class Request:
     params: dict = field(default_factory=dict)
     client: bytes = b""
     holds: list = field(default_factory=list)  # leader: fds locking its segments while queued
+    t0: float | None = None  # leader: admission time, for the latency histogram
 
     @property
     def key(self) -> tuple[bytes, str]:
@@ -234,7 +235,7 @@ def valid_shm_name(name: Any, prefix: str) -> bool:
 
 
 def _decode(h: dict, frames: Sequence[Any], limits: Limits) -> Message:
-    if h.get("v") != VERSION:
+    if not _is_int(h.get("v")) or h.get("v") != VERSION:  # true and 1.0 are not 1
         raise BadRequest("v", f"unsupported protocol version {h.get('v')!r} (this server speaks 1)")
     typ = h.get("type")
     if _one_of(typ, REQUEST_TYPES):

@@ -18,8 +18,10 @@ from . import protocol
 from .batch import Batch, BatchRunner
 from .config import Config
 from .errors import BadRequest, GroupBroken, describe
+from .admin import AdminServer
 from .lane import Lane
 from .log import event
+from .metrics import Metrics
 from .protocol import (BAD_REQUEST, INTERNAL, UNAVAILABLE, Abort, CloseSession, Ping, Request,
                        pack, result)
 from .sweep import sweep
@@ -48,6 +50,8 @@ class Follower:
             return False
         if not batch.empty:
             self.runner.run(batch)
+        if batch.gather_stats:
+            self.runner.exchange_counters()
         return True
 
     async def serve(self) -> int:
@@ -79,6 +83,10 @@ class Leader:
         self.broken_reason: str | None = None
         self.results_sent: dict[int, int] = {}
         self.orphans_reclaimed = 0
+        self.unlinked_at_leader = 0  # segments of requests answered before reaching the ranks
+        self._follower_counters: dict[int, dict] = {}
+        self._stats_at = time.monotonic()
+        self.metrics = Metrics(self)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._now = asyncio.Event()
@@ -95,23 +103,26 @@ class Leader:
         self._raw = zmq.Socket.shadow(self.sock.underlying)  # sync view for NOBLOCK drains and sends
 
     # ------------------------------------------------------------ client I/O
-    def _send_to_client(self, client: bytes, header: dict) -> None:
+    def _send_to_client(self, client: bytes, header: dict, t0: float | None = None) -> None:
         try:
             self._raw.send_multipart([client, pack(header)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             event("send_failed", logging.WARNING, rid=header.get("rid"), error=describe(exc))
         if header.get("type") == "result":
-            self.results_sent[header["status"]] = self.results_sent.get(header["status"], 0) + 1
+            status = header["status"]
+            self.results_sent[status] = self.results_sent.get(status, 0) + 1
+            if t0 is not None:
+                self.metrics.request_latency.labels(str(status)).observe(time.monotonic() - t0)
 
     def _answer(self, req: Request, status: int, message: str, **meta) -> None:
         """Answer a request that never reached the ranks: the leader owns its segments alone."""
         for name in req.owned_segments:
-            unlink_segment(name, req.rid)
+            self.unlinked_at_leader += unlink_segment(name, req.rid)
         drop(req.holds)
         for it in req.items:
             if it.transport == "cuda_ipc":  # no rank will read it: acknowledge for all of them
                 acknowledge(it, range(self.world), req.rid)
-        self._send_to_client(req.client, result(req.rid, status, message, meta=meta))
+        self._send_to_client(req.client, result(req.rid, status, message, meta=meta), req.t0)
 
     async def _recv_from_clients(self) -> None:
         """Wait for a message, then drain without blocking: receiving in batches is ~7x faster."""
@@ -140,7 +151,7 @@ class Leader:
             self._send_to_client(client, result(None, BAD_REQUEST, "header: could not be decoded"))
             return
         if isinstance(msg, Request):
-            msg.client = client
+            msg.client, msg.t0 = client, time.monotonic()
             self._admit(msg)
         elif isinstance(msg, Ping):
             self._send_to_client(client, protocol.pong(self.world, self.healthy, state=self.state.value))
@@ -156,7 +167,7 @@ class Leader:
         except BadRequest:
             header = None
         for name in protocol.owned_segments(header, self.limits.shm_prefix):
-            unlink_segment(name, exc.rid, quiet_if_missing=True)
+            self.unlinked_at_leader += unlink_segment(name, exc.rid, quiet_if_missing=True)
         event("bad_request", rid=exc.rid, field=exc.field, error=str(exc))
         self._send_to_client(client, result(exc.rid, BAD_REQUEST, str(exc)))
 
@@ -196,7 +207,22 @@ class Leader:
 
     @property
     def healthy(self) -> bool:
-        return self.state is State.SERVING and self.lane.broken is None
+        return self.health()[0]
+
+    def health(self) -> tuple[bool, str]:
+        """(ok, reason): ok only while serving, no rank lost, and no collective past its deadline."""
+        if self.state is State.BROKEN or self.lane.broken:
+            return False, self.broken_reason or f"rank group broken: {self.lane.broken}"
+        if self.state is not State.SERVING:
+            return False, self.state.value
+        stuck = self.lane.stuck_for()
+        if stuck > self.cfg.collective_timeout:
+            return False, f"lane stuck: a collective has run {stuck:.1f}s (deadline {self.cfg.collective_timeout:g}s)"
+        return True, f"serving ranks={self.world}"
+
+    def rank_counters(self) -> dict[int, dict]:
+        """Counter snapshots by rank: the leader's live, followers' as of their last report."""
+        return {**self._follower_counters, 0: self.runner.counters.snapshot()}
 
     # ------------------------------------------------------------ the batch loop
     async def _next_batch(self) -> Batch:
@@ -210,6 +236,8 @@ class Leader:
         self._seq += 1
         batch = Batch(self._seq, closes=[sid for _, sid in self._closing])
         self._acking, self._closing = self._closing, []
+        if self.world > 1 and time.monotonic() - self._stats_at >= 2.0:
+            self._stats_at, batch.gather_stats = time.monotonic(), True
         now = time.monotonic()
         if now - self._idle_checked >= 1.0:  # sessions idle past their timeout close in-stream
             self._idle_checked = now
@@ -227,7 +255,10 @@ class Leader:
         """On the lane: 2. broadcast the batch to followers, 3. run it here."""
         if self.world > 1:
             self.runner.group.broadcast(batch.encode())
-        return self.runner.run(batch) if not batch.empty else ([], None)
+        out = self.runner.run(batch) if not batch.empty else ([], None)
+        if batch.gather_stats:
+            self._follower_counters = self.runner.exchange_counters()
+        return out
 
     def _finish(self, batch: Batch, results: list[dict]) -> None:
         """4. Answer each request once; forget it. Ack the sessions this batch closed."""
@@ -240,13 +271,16 @@ class Leader:
             if res["status"] == INTERNAL:
                 event("request_failed", logging.WARNING, rid=req.rid, failed_ranks=res["meta"].get("failed_ranks"),
                       error=res["message"])
-            self._send_to_client(req.client, res)
+            self._send_to_client(req.client, res, req.t0)
 
     async def serve(self) -> int:
         self.state = State.SERVING
         event("serving", frontend=self.cfg.frontend, ranks=self.world, max_batch=self.cfg.max_batch)
         receiver = asyncio.ensure_future(self._recv_from_clients())
         sweeper = asyncio.ensure_future(self._sweep_orphans())
+        admin = AdminServer(self, self.cfg.admin) if self.cfg.admin else None
+        if admin:
+            await admin.start()
         try:
             while not self._done():
                 batch = await self._next_batch()
@@ -261,9 +295,11 @@ class Leader:
                     self._answer_inflight(UNAVAILABLE, "service unavailable: stopped before this request finished")
                     break
                 try:
-                    results, _ = step.result()
+                    results, stats = step.result()
                 except GroupBroken as exc:
                     return await self._broken(str(exc))
+                if stats is not None:
+                    self.metrics.consensus_seconds.observe(stats.consensus_s)
                 self._finish(batch, results)
             if not self._now.is_set():
                 await self._stop_followers()
@@ -272,6 +308,8 @@ class Leader:
             event("stopped", results=dict(sorted(self.results_sent.items())))
             return 0
         finally:
+            if admin:
+                await admin.close()
             receiver.cancel()
             sweeper.cancel()
             await asyncio.gather(receiver, sweeper, return_exceptions=True)
@@ -321,7 +359,7 @@ class Leader:
         self._answer_inflight(INTERNAL, f"{self.broken_reason}; the request may not have run on every rank")
         self._answer_all(UNAVAILABLE, f"service unavailable: {self.broken_reason}")
         # Linger briefly so clients that send now get a 503 rather than silence.
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             await asyncio.sleep(0.05)
             self._answer_all(UNAVAILABLE, f"service unavailable: {self.broken_reason}")

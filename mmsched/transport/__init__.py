@@ -27,8 +27,10 @@ class Feature(Protocol):
     def materialize(self) -> torch.Tensor:
         """An owned tensor of the item's dtype and shape; raises the open error if any."""
 
-    def release(self, unlink: bool) -> None:
-        """Close what this rank holds; ``unlink`` (the leader) also removes an owned segment."""
+    def release(self, unlink: bool) -> bool | None:
+        """Close what this rank holds; ``unlink`` (the leader) also removes an owned segment.
+
+        Never raises; False means something could not be released (and was logged)."""
 
 
 def typed(raw: torch.Tensor, item: Item) -> torch.Tensor:

@@ -35,11 +35,13 @@ class InlineFeature:
             raw.numpy()[:] = np.frombuffer(self.item.payload, dtype=np.uint8)
         return typed(raw, self.item)
 
-    def release(self, unlink: bool) -> None:
+    def release(self, unlink: bool) -> bool:
         if self.item.payload is None:
-            return
+            return True
         self.item.payload = None  # drop the frame: zmq may reuse its buffer
         try:
             self._faults.check("release", self.rid)
         except InjectedFault as exc:
             event("release_failed", logging.WARNING, rid=self.rid, transport="inline", error=describe(exc))
+            return False
+        return True

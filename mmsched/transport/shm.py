@@ -39,11 +39,11 @@ def shm_path(name: str) -> str:
 class ShmFeature:
     """A feature in a segment: opened and locked at construction, errors kept as data."""
 
-    __slots__ = ("item", "rid", "error", "_fd", "_faults", "_released")
+    __slots__ = ("item", "rid", "error", "unlinked", "_fd", "_faults", "_released")
 
     def __init__(self, item: Item, rid: str, faults: Faults):
         self.item, self.rid, self.error, self._faults = item, rid, None, faults
-        self._fd, self._released = -1, False
+        self._fd, self._released, self.unlinked = -1, False, False
         try:
             faults.check("open", rid)
             self._fd = os.open(shm_path(item.shm_name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -64,24 +64,29 @@ class ShmFeature:
         read_into(self._fd, raw.numpy(), self.item.offset, self.item.shm_name)
         return typed(raw, self.item)
 
-    def release(self, unlink: bool) -> None:
+    def release(self, unlink: bool) -> bool:
+        """Close (and, for the leader, unlink); False if anything failed (logged)."""
         if self._released:
-            return
+            return True
         self._released = True
-        name = self.item.shm_name
+        name, ok = self.item.shm_name, True
         try:
             self._faults.check("release", self.rid)
         except InjectedFault as exc:
             event("release_failed", logging.WARNING, rid=self.rid, shm=name, error=describe(exc))
+            ok = False
         if self._fd >= 0:
             try:
                 os.close(self._fd)  # also drops our flock
             except OSError as exc:
                 event("release_failed", logging.WARNING, rid=self.rid, shm=name, error=describe(exc))
+                ok = False
             self._fd = -1
         if unlink and not self.item.pooled:
-            quiet = isinstance(self.error, FileNotFoundError)
-            unlink_segment(name, self.rid, quiet_if_missing=quiet)
+            missing_ok = isinstance(self.error, FileNotFoundError)
+            self.unlinked = unlink_segment(name, self.rid, quiet_if_missing=missing_ok)
+            ok = (self.unlinked or missing_ok) and ok
+        return ok
 
     def __repr__(self) -> str:
         state = "released" if self._released else ("failed" if self.error else "open")

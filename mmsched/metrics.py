@@ -1,0 +1,83 @@
+"""Counters each rank keeps, and the leader's Prometheus view of the whole group.
+
+Followers' counters reach the leader in-stream: every couple of seconds the leader
+flags a batch, and every rank all-gathers a snapshot of its counters after running it.
+The exposition is rendered on scrape from live state (prometheus_client custom
+collector), so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+@dataclass
+class RankCounters:
+    """What one rank counts on its lane; snapshots travel to the leader."""
+
+    failures: Counter = field(default_factory=Counter)  # stage -> requests failed here
+    release_failures: int = 0
+    segments_unlinked: int = 0
+    bytes_materialized: int = 0
+
+    def snapshot(self) -> dict:
+        return {"failures": dict(self.failures), "release_failures": self.release_failures,
+                "segments_unlinked": self.segments_unlinked, "bytes_materialized": self.bytes_materialized}
+
+
+class Metrics:
+    LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+    CONSENSUS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1, 10)
+
+    def __init__(self, leader):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.consensus_seconds = Histogram(
+            "mmsched_consensus_seconds", "Time of one batch's failure agreement (one collective)",
+            buckets=self.CONSENSUS_BUCKETS, registry=self.registry)
+        self.request_latency = Histogram(
+            "mmsched_request_latency_seconds", "From admission at the leader to the result being sent",
+            ["status"], buckets=self.LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_GroupCollector(leader))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _GroupCollector:
+    def __init__(self, leader):
+        self.leader = leader
+
+    def collect(self):
+        ld = self.leader
+        results = CounterMetricFamily("mmsched_results", "Results sent, by status", labels=["status"])
+        for status, n in sorted(ld.results_sent.items()):
+            results.add_metric([str(status)], n)
+        yield results
+        yield GaugeMetricFamily("mmsched_requests_waiting", "Requests queued at the leader", value=len(ld.queue))
+        yield GaugeMetricFamily("mmsched_requests_running", "Requests in the batch being processed",
+                                value=len(ld.inflight))
+        yield GaugeMetricFamily("mmsched_feature_bytes_inflight", "Feature bytes of queued and running requests",
+                                value=sum(r.feature_bytes for r in (*ld.queue.values(), *ld.inflight.values())))
+        per_rank = ld.rank_counters()
+        fails = CounterMetricFamily("mmsched_materialize_failures",
+                                    "Requests a rank failed, by rank and stage", labels=["rank", "stage"])
+        rel = CounterMetricFamily("mmsched_release_failures", "Close/unlink failures, by rank", labels=["rank"])
+        for rank, snap in sorted(per_rank.items()):
+            for stage, n in sorted(snap["failures"].items()):
+                fails.add_metric([str(rank), stage], n)
+            rel.add_metric([str(rank)], snap["release_failures"])
+        yield fails
+        yield rel
+        yield CounterMetricFamily("mmsched_segments_unlinked", "Shared-memory segments unlinked by the leader",
+                                  value=per_rank.get(0, {}).get("segments_unlinked", 0) + ld.unlinked_at_leader)
+        yield CounterMetricFamily("mmsched_orphans_reclaimed", "Orphaned segments removed by the sweep",
+                                  value=ld.orphans_reclaimed)
+        yield GaugeMetricFamily("mmsched_session_bytes", "Feature bytes held by sessions",
+                                value=ld.runner.sessions.nbytes)
+        yield GaugeMetricFamily("mmsched_sessions", "Open sessions", value=len(ld.runner.sessions))
+        yield GaugeMetricFamily("mmsched_ranks", "Ranks in the group", value=ld.world)
+        yield GaugeMetricFamily("mmsched_healthy", "1 while /health would answer 200", value=int(ld.health()[0]))
