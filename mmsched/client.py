@@ -52,6 +52,11 @@ def ref(feature_id: str, modality: str = "image") -> Feature:
     return Feature("session", modality=modality, ref=feature_id)
 
 
+def pooled(tensor: torch.Tensor, modality: str = "image", id: str | None = None) -> Feature:
+    """A slice of the client's ShmPool (``pooled: true``); a fresh segment when the pool is full."""
+    return Feature("pooled", tensor, modality, id)
+
+
 def cuda_ipc(tensor: torch.Tensor, modality: str = "image", id: str | None = None) -> Feature:
     """A slot of the client's IpcPool; falls back to shm when the pool is full."""
     return Feature("cuda_ipc", tensor, modality, id)
@@ -98,9 +103,10 @@ class Client:
     _ids = itertools.count()
 
     def __init__(self, address: str, *, shm_prefix: str = "mmsched_", timeout: float = 60.0,
-                 context: zmq.asyncio.Context | None = None, ipc_pool=None):
+                 context: zmq.asyncio.Context | None = None, ipc_pool=None, shm_pool=None):
         self.address, self.shm_prefix, self.timeout = address, shm_prefix, timeout
-        self.ipc_pool = ipc_pool
+        self.ipc_pool, self.shm_pool = ipc_pool, shm_pool
+        self._slices: dict[str, list[tuple[int, int]]] = {}  # rid -> ShmPool slices, freed on its result
         self._leases: dict[str, list] = {}  # rid -> pool leases, forgotten on a 400
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
@@ -173,22 +179,28 @@ class Client:
         frames: list[Any] = []
         segments: list[Segment] = []
         leases: list = []
+        slices: list[tuple[int, int]] = []
         try:
-            header["mm_items"] = [self._item(f, frames, segments, leases) for f in features]
+            header["mm_items"] = [self._item(f, frames, segments, leases, slices) for f in features]
             fut = self.send_raw(header, frames, rid=rid)
         except BaseException:
             for s in segments:
                 s.discard()
             for lease in leases:
                 self.ipc_pool.forget(lease)
+            for off, n in slices:
+                self.shm_pool.free(off, n)
             raise
         if leases:
             self._leases[rid] = leases
+        if slices:
+            self._slices[rid] = slices
         for s in segments:
             s.sent()  # ownership passed to mmsched
         return fut
 
-    def _item(self, f: Feature, frames: list, segments: list[Segment], leases: list) -> dict:
+    def _item(self, f: Feature, frames: list, segments: list[Segment], leases: list,
+              slices: list[tuple[int, int]]) -> dict:
         if f.transport == "raw":
             item = dict(f.item)
             if item.get("frame") == -1:
@@ -201,13 +213,19 @@ class Client:
         item = {"modality": f.modality, "dtype": _DTYPE_NAME[t.dtype], "shape": list(t.shape)}
         if f.id is not None:
             item["id"] = f.id
+        if f.transport == "pooled":
+            off = self.shm_pool.put(t) if self.shm_pool is not None else None
+            if off is not None:
+                slices.append((off, t.numel() * t.element_size()))
+                return dict(item, transport="shm", shm_name=self.shm_pool.name, offset=off, pooled=True)
+            log.warning("shm_pool_full falling_back=shm nbytes=%d", t.numel() * t.element_size())
         if f.transport == "cuda_ipc":
             lease = self.ipc_pool.lease(t) if self.ipc_pool is not None else None
             if lease is not None:
                 leases.append(lease)
                 return dict(item, transport="cuda_ipc", ipc=self.ipc_pool.item(t, lease))
             log.warning("ipc_pool_full falling_back=shm nbytes=%d", t.numel() * t.element_size())
-        if f.transport in ("shm", "cuda_ipc"):
+        if f.transport in ("shm", "cuda_ipc", "pooled"):
             try:
                 seg = create_segment(t, self.shm_prefix)
             except ShmFull as exc:
@@ -267,6 +285,8 @@ class Client:
             if kind == "result":
                 res = Result.from_header(h)
                 fut = self._results.get(res.rid) if res.rid is not None else None
+                for off, n in self._slices.pop(res.rid, ()) if res.rid is not None else ():
+                    self.shm_pool.free(off, n)  # every rank has finished reading it (guarantee 5)
                 leases = self._leases.pop(res.rid, None) if res.rid is not None else None
                 if leases and res.status == 400:  # no rank saw it: nobody will acknowledge
                     for lease in leases:

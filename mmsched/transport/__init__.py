@@ -61,6 +61,10 @@ def open_feature(item: Item, rid: str, faults: Faults, lookup=None, rank: int = 
     from . import inline, shm
 
     if item.transport == "shm":
+        if item.pooled:
+            from .shm_pool import PooledFeature
+
+            return PooledFeature(item, rid, faults)
         return shm.ShmFeature(item, rid, faults)
     if item.transport == "inline":
         return inline.InlineFeature(item, rid, faults)
