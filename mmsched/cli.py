@@ -17,6 +17,8 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         kind = type(f.default) if not isinstance(f.default, type(config_mod.dataclasses.MISSING)) else list
         if name == "fault":
             p.add_argument(flag, action="append", metavar="RANK:STAGE:RID_GLOB", help=f.metadata["help"])
+        elif kind is bool:
+            p.add_argument(flag, action="store_const", const=True, default=None, help=f.metadata["help"])
         else:
             p.add_argument(flag, type=kind, metavar=name.upper(), help=f.metadata["help"],
                            choices=f.metadata["choices"])
@@ -30,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     cfgp = sub.add_parser("config", help="print the effective configuration")
     _add_config_flags(cfgp)
     cfgp.add_argument("--print", action="store_true", dest="do_print", help="print it as TOML")
+    kg = sub.add_parser("keygen", help="write a CurveZMQ key pair: NAME.key (public) and NAME.key_secret")
+    kg.add_argument("--out", default=".", metavar="DIR", help="directory to write into")
+    kg.add_argument("--name", default="mmsched", help="file name stem")
     sw = sub.add_parser("sweep", help="reclaim orphaned segments (unlocked, old, prefixed)")
     sw.add_argument("--shm-prefix", default=None, help="segment name prefix (default from config)")
     sw.add_argument("--grace", type=float, default=None, metavar="S", help="minimum age in seconds")
@@ -48,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "sweep":
         return _sweep(args)
+    if args.command == "keygen":
+        from .auth import keygen
+
+        public, secret = keygen(args.out, args.name)
+        print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+        return 0
     try:
         cfg = _load(args)
     except ConfigError as exc:
@@ -56,6 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(cfg.to_toml())
         return 0
+    from .auth import check_frontend
+
+    try:
+        check_frontend(cfg)
+    except ConfigError as exc:
+        print(f"mmsched: config error: {exc}", file=sys.stderr)
+        return 2
     from .server import launch_group, run_rank
 
     placed = env_rank()

@@ -103,7 +103,11 @@ class Client:
     _ids = itertools.count()
 
     def __init__(self, address: str, *, shm_prefix: str = "mmsched_", timeout: float = 60.0,
-                 context: zmq.asyncio.Context | None = None, ipc_pool=None, shm_pool=None):
+                 context: zmq.asyncio.Context | None = None, ipc_pool=None, shm_pool=None,
+                 server_key: str | bytes | None = None, client_cert: str | None = None):
+        """``server_key`` (the server's NAME.key file or z85 key) and ``client_cert`` (this
+        client's NAME.key_secret) turn on CurveZMQ for a frontend that requires it."""
+        self._curve = (server_key, client_cert) if server_key is not None else None
         self.address, self.shm_prefix, self.timeout = address, shm_prefix, timeout
         self.ipc_pool, self.shm_pool = ipc_pool, shm_pool
         self._slices: dict[str, list[tuple[int, int]]] = {}  # rid -> ShmPool slices, freed on its result
@@ -121,6 +125,10 @@ class Client:
     async def __aenter__(self) -> "Client":
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            from .auth import secure_client
+
+            secure_client(self._sock, *self._curve)
         self._sock.connect(self.address)
         self._reader = asyncio.ensure_future(self._read())
         return self

@@ -31,6 +31,13 @@ def _opt(default: Any, help: str, lo: float | None = None, hi: float | None = No
 @dataclass
 class Config:
     frontend: str = _opt("ipc:///tmp/mmsched.sock", "ZeroMQ ROUTER address the leader binds (ipc:// or tcp://)")
+    insecure: bool = _opt(False, "serve a non-loopback tcp:// frontend without CurveZMQ (not recommended)")
+    curve_secret_key: str = _opt("", "server certificate with its secret key (NAME.key_secret from mmsched keygen)")
+    curve_clients_dir: str = _opt("", "directory of allowed client public keys (NAME.key files)")
+    ipc_mode: str = _opt("660", "octal file mode of an ipc:// frontend socket")
+    zmq_hwm: int = _opt(100000, "ZeroMQ high-water mark (messages) of the frontend, both directions", 0, 1 << 30)
+    max_message_bytes: int = _opt(256 << 20, "most bytes one message may hold, all frames (inline payloads included)", 1024, 1 << 40)
+    max_inflight_bytes: int = _opt(8 << 30, "most feature bytes queued and running together; beyond it, 503", 0, 1 << 44)
     admin: str = _opt("", "admin HTTP endpoint for /health and /metrics: PORT or HOST:PORT (host 127.0.0.1); off when empty")
     tp: int = _opt(1, "number of ranks in the group", 1, 256)
     dist_init: str = _opt("", "torch.distributed init address for --tp N (default: a free 127.0.0.1 port)")
@@ -59,7 +66,8 @@ class Config:
     def limits(self) -> Limits:
         return Limits(shm_prefix=self.shm_prefix, max_input_len=self.max_input_len,
                       max_items=self.max_items, max_item_bytes=self.max_item_bytes,
-                      max_request_bytes=self.max_request_bytes, max_new_tokens=self.max_new_tokens)
+                      max_request_bytes=self.max_request_bytes, max_new_tokens=self.max_new_tokens,
+                      max_message_bytes=self.max_message_bytes)
 
     @property
     def faults(self) -> list[Fault]:
@@ -95,7 +103,15 @@ def _coerce(name: str, value: Any, from_text: bool) -> Any:
     f = FIELDS[name]
     kind = type(f.default) if f.default is not dataclasses.MISSING else list
     try:
-        if kind is list:
+        if kind is bool:
+            if from_text:
+                low = str(value).strip().lower()
+                if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                    raise ValueError("must be true or false")
+                value = low in ("1", "true", "yes", "on")
+            if not isinstance(value, bool):
+                raise ValueError("must be true or false")
+        elif kind is list:
             if from_text:
                 value = [s for s in value.split(",") if s] if isinstance(value, str) else list(value)
             if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
@@ -155,6 +171,16 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None,
         cfg.faults
     except ConfigError as exc:
         raise ConfigError(f"fault: {exc}") from None
+    if not cfg.frontend.startswith(("ipc://", "tcp://")) or cfg.frontend in ("ipc://", "tcp://"):
+        raise ConfigError(f"frontend: {cfg.frontend!r} is not an ipc:// or tcp:// address")
+    port = cfg.admin.rpartition(":")[2]
+    if cfg.admin and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"admin: {cfg.admin!r} is not PORT or HOST:PORT (port 1..65535)")
+    try:
+        if not 0 <= int(cfg.ipc_mode, 8) <= 0o777:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"ipc_mode: {cfg.ipc_mode!r} is not an octal file mode like 660") from None
     if cfg.tp > 1 and cfg.collective_timeout < 1:
         raise ConfigError("collective_timeout: must be >= 1 s when tp > 1")
     return cfg

@@ -61,7 +61,7 @@ class _GroupCollector:
         yield GaugeMetricFamily("mmsched_requests_running", "Requests in the batch being processed",
                                 value=len(ld.inflight))
         yield GaugeMetricFamily("mmsched_feature_bytes_inflight", "Feature bytes of queued and running requests",
-                                value=sum(r.feature_bytes for r in (*ld.queue.values(), *ld.inflight.values())))
+                                value=ld.feature_bytes_held)
         per_rank = ld.rank_counters()
         fails = CounterMetricFamily("mmsched_materialize_failures",
                                     "Requests a rank failed, by rank and stage", labels=["rank", "stage"])

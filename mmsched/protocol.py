@@ -48,6 +48,7 @@ class Limits:
     max_request_bytes: int = 2 << 30
     max_new_tokens: int = 4096
     default_max_new_tokens: int = 8
+    max_message_bytes: int = 256 << 20
 
 
 @dataclass(slots=True)
@@ -108,7 +109,7 @@ class Request:
     want_digest: bool = False
     params: dict = field(default_factory=dict)
     client: bytes = b""
-    holds: list = field(default_factory=list)  # leader: fds locking its segments while queued
+    holds: list | None = None  # leader: fds locking its segments from admission until answered
     t0: float | None = None  # leader: admission time, for the latency histogram
 
     @property
@@ -203,6 +204,9 @@ def decode(frames: Sequence[Any], limits: Limits) -> Message:
     """Frames (header first, then payloads as buffers) → a typed message, or BadRequest."""
     header = unpack_header(frames[0])
     rid = readable_rid(header)
+    size = sum(_frame_len(f) for f in frames)
+    if size > limits.max_message_bytes:
+        raise BadRequest("message", f"{size} bytes exceed max_message_bytes={limits.max_message_bytes}", rid)
     try:
         return _decode(header, frames, limits)
     except BadRequest as exc:
@@ -359,6 +363,10 @@ def _ipc(ipc: Any, f: str, limits: Limits) -> dict:
         if not _is_int(ipc.get(key)) or ipc[key] < lo:
             raise BadRequest(f"{f}.{key}", f"must be an int >= {lo}")
     return {k: ipc[k] for k in ("device", "handle", "acks", "ranks", "slot", "offset", "generation")}
+
+
+def _frame_len(frame: Any) -> int:
+    return len(frame) if not hasattr(frame, "buffer") else frame.buffer.nbytes
 
 
 def _nbytes(shape: Sequence[int], dtype: str) -> int:

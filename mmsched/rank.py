@@ -19,6 +19,7 @@ from .batch import Batch, BatchRunner
 from .config import Config
 from .errors import BadRequest, GroupBroken, describe
 from .admin import AdminServer
+from .auth import restrict_ipc, secure_frontend
 from .lane import Lane
 from .log import event
 from .metrics import Metrics
@@ -84,6 +85,7 @@ class Leader:
         self.results_sent: dict[int, int] = {}
         self.orphans_reclaimed = 0
         self.unlinked_at_leader = 0  # segments of requests answered before reaching the ranks
+        self.feature_bytes_held = 0  # of queued and running requests (max_inflight_bytes)
         self._follower_counters: dict[int, dict] = {}
         self._stats_at = time.monotonic()
         self.metrics = Metrics(self)
@@ -99,7 +101,12 @@ class Leader:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)  # per frame: the hard backstop
+        self.sock.setsockopt(zmq.SNDHWM, cfg.zmq_hwm)
+        self.sock.setsockopt(zmq.RCVHWM, cfg.zmq_hwm)
+        self._auth = secure_frontend(self.ctx, self.sock, cfg)
         self.sock.bind(cfg.frontend)
+        restrict_ipc(cfg.frontend, int(cfg.ipc_mode, 8))
         self._raw = zmq.Socket.shadow(self.sock.underlying)  # sync view for NOBLOCK drains and sends
 
     # ------------------------------------------------------------ client I/O
@@ -118,7 +125,7 @@ class Leader:
         """Answer a request that never reached the ranks: the leader owns its segments alone."""
         for name in req.owned_segments:
             self.unlinked_at_leader += unlink_segment(name, req.rid)
-        drop(req.holds)
+        self._forget(req)
         for it in req.items:
             if it.transport == "cuda_ipc":  # no rank will read it: acknowledge for all of them
                 acknowledge(it, range(self.world), req.rid)
@@ -161,6 +168,13 @@ class Leader:
             self._closing.append((client, msg.session_id))
             self._wake.set()
 
+    def _forget(self, req: Request) -> None:
+        """The request is answered: drop its admission locks and its share of the in-flight bytes."""
+        if req.holds is not None:
+            drop(req.holds)
+            req.holds = None
+            self.feature_bytes_held -= req.feature_bytes
+
     def _reject(self, client: bytes, header_frame, exc: BadRequest) -> None:
         try:
             header = protocol.unpack_header(header_frame)
@@ -194,9 +208,13 @@ class Leader:
             self._answer(req, UNAVAILABLE, f"service unavailable: {reason}")
         elif len(self.queue) >= self.cfg.max_queue:
             self._answer(req, UNAVAILABLE, f"overloaded: {len(self.queue)} requests queued (max_queue)")
+        elif self.feature_bytes_held + req.feature_bytes > self.cfg.max_inflight_bytes:
+            self._answer(req, UNAVAILABLE, f"overloaded: {self.feature_bytes_held} feature bytes in flight, "
+                         f"this request brings {req.feature_bytes} (max_inflight_bytes)")
         else:
             req.holds = hold(req.owned_segments)
             self.queue[req.key] = req
+            self.feature_bytes_held += req.feature_bytes
 
     def _abort(self, key: tuple) -> None:
         req = self.queue.pop(key, None)
@@ -265,7 +283,7 @@ class Leader:
         for client, sid in self._acking:
             self._send_to_client(client, protocol.ack_close(sid))
         for req, res in zip(batch.requests, results):
-            drop(req.holds)
+            self._forget(req)
             self.inflight.pop(req.key, None)
             self.aborting.discard(req.key)
             if res["status"] == INTERNAL:
@@ -314,6 +332,8 @@ class Leader:
             sweeper.cancel()
             await asyncio.gather(receiver, sweeper, return_exceptions=True)
             self.sock.close(linger=1000)
+            if self._auth is not None:
+                self._auth.stop()
             self.ctx.term()
 
     async def _sweep_orphans(self) -> None:
