@@ -18,10 +18,13 @@ from .engine import Engine, EngineInput
 from .errors import describe
 from .faults import Faults
 from .log import event
+from . import remote
 from .metrics import RankCounters
+from .remote import ForwardedFeature, Topology
 from .protocol import ABORTED, INTERNAL, OK, UNAVAILABLE, Request, result
 from .sessions import SessionStore
 from .transport import Feature, open_feature
+from .transport.cuda_ipc import acknowledge
 
 
 @dataclass
@@ -67,8 +70,9 @@ class BatchRunner:
     """Runs one batch on this rank. ``is_aborted`` is the leader's view of client aborts."""
 
     def __init__(self, group, engine: Engine, faults: Faults, unlinks: bool, sessions: SessionStore,
-                 is_aborted=lambda req: False):
+                 is_aborted=lambda req: False, topology: Topology | None = None):
         self.group, self.engine, self.faults = group, engine, faults
+        self.topology = topology or Topology.single()
         self.unlinks, self.sessions, self.is_aborted = unlinks, sessions, is_aborted
         self.counters = RankCounters()
 
@@ -87,9 +91,13 @@ class BatchRunner:
         if not reqs:
             return [], stats
         # 1. open every feature; errors stay on the feature
-        rank, world = self.group.rank, self.group.world
-        opened = [[open_feature(it, r.rid, self.faults, self._lookup(r.session_id), rank, world)
+        rank, world, topo = self.group.rank, self.group.world, self.topology
+        forwarded = remote.host_bound(reqs) if topo.remote_hosts else []
+        opened = [[ForwardedFeature(it, r.rid, self.faults) if topo.is_remote and it.transport in remote.HOST_BOUND
+                   else open_feature(it, r.rid, self.faults, self._lookup(r.session_id), rank, world)
                    for it in r.items] for r in reqs]
+        if forwarded and topo.is_remote:  # 1b. remote host: the leader's bytes, once per host
+            remote.fill(opened, forwarded, *remote.receive(topo))
         # 2. materialize into owned memory; a failure is recorded, never raised
         flags = np.zeros(n, dtype=np.int64)
         errors: dict[int, str] = {}
@@ -111,6 +119,11 @@ class BatchRunner:
                 digests[i] = [hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
                               for t in tensors[i]]
                 prefixes[i, 0] = digest_prefix(digests[i])
+        if forwarded and rank == 0:  # 2b. the leader ships what it read to the other hosts
+            self.counters.bytes_forwarded += remote.ship(topo, forwarded, tensors, errors)
+            for i, j in forwarded:
+                if reqs[i].items[j].transport == "cuda_ipc":  # remote ranks never touch the pool
+                    acknowledge(reqs[i].items[j], topo.remote_ranks, reqs[i].rid)
         # 3. agree: one collective; the barrier before anyone unlinks
         t0 = time.perf_counter()
         verdict = consensus.agree(self.group, flags, errors, extra=prefixes)

@@ -7,7 +7,6 @@ import sys
 
 from . import config as config_mod
 from .errors import ConfigError
-from .group import env_rank
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -40,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--grace", type=float, default=None, metavar="S", help="minimum age in seconds")
     sw.add_argument("--dry-run", action="store_true", help="list what would be reclaimed, unlink nothing")
     sw.add_argument("--config", metavar="FILE", help="TOML config file")
+    _add_loadtest_flags(sub.add_parser("loadtest", help="drive a frontend with a seeded request mix; "
+                                       "report latency, statuses, lost results and leaks"))
     return parser
 
 
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "sweep":
         return _sweep(args)
+    if args.command == "loadtest":
+        return _loadtest(args)
     if args.command == "keygen":
         from .auth import keygen
 
@@ -74,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"mmsched: config error: {exc}", file=sys.stderr)
         return 2
+    from .group import env_rank  # imports torch: only once the config is known good
     from .server import launch_group, run_rank
 
     placed = env_rank()
@@ -101,6 +105,82 @@ def _sweep(args: argparse.Namespace) -> int:
         print(f"{verb} {name}")
     print(f"sweep {report}")
     return 0
+
+
+
+def _add_loadtest_flags(p: argparse.ArgumentParser) -> None:
+    def sizes(text: str) -> list[int]:
+        from .loadgen import parse_size
+
+        try:
+            return [parse_size(x) for x in text.split(",") if x]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    def names(text: str) -> list[str]:
+        return [x for x in text.split(",") if x]  # checked by LoadSpec.validate
+
+    p.add_argument("--frontend", help="address to load (default: frontend from config)")
+    p.add_argument("--config", metavar="FILE", help="TOML config file (frontend, shm_prefix)")
+    loop = p.add_mutually_exclusive_group()
+    loop.add_argument("--rate", type=float, metavar="R", help="open loop: R requests/s")
+    loop.add_argument("--concurrency", type=int, metavar="C", help="closed loop: C in flight (default 16)")
+    p.add_argument("--requests", type=int, default=1000, metavar="N", help="send at most N requests (1000)")
+    p.add_argument("--duration", type=float, default=60.0, metavar="S", help="send for at most S seconds (60)")
+    p.add_argument("--drain", type=float, default=10.0, metavar="S",
+                   help="then wait at most S seconds for outstanding results; the rest are lost (10)")
+    p.add_argument("--type", choices=("embed", "generate"), default="embed")
+    p.add_argument("--items", type=int, default=1, metavar="K", help="features per request (0: text only)")
+    p.add_argument("--item-bytes", type=sizes, default=[64 << 10], metavar="SIZES",
+                   help="feature size(s), comma-separated, e.g. 64K,1M (64K)")
+    p.add_argument("--transport", type=names, default=["pooled"], metavar="T[,T..]",
+                   help="feature transport(s), mixed at random: pooled,shm,inline,cuda_ipc (pooled)")
+    p.add_argument("--session-turns", type=int, default=1, metavar="T",
+                   help="turns per session: the first brings features with ids, later ones refer to them")
+    p.add_argument("--fail-rate", type=float, default=0.0, metavar="F",
+                   help="fraction of rids starting with 'fail-' (serve with e.g. --fault 0:open:fail-*)")
+    p.add_argument("--client-faults", type=float, default=0.0, metavar="F",
+                   help="fraction made bad by the client: missing segment, too-small segment, bad name")
+    p.add_argument("--abort-rate", type=float, default=0.0, metavar="F", help="fraction aborted right after sending")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pool-mb", type=float, metavar="MB", help="size of the client's ShmPool (default: sized to the load)")
+    p.add_argument("--json", metavar="FILE", help="write the report (summary and raw per-request rows)")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG of latency over time (needs mmsched[plot])")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _loadtest(args: argparse.Namespace) -> int:
+    """Thin: flags → LoadSpec → run → table (and JSON, plot); exit 1 on a lost result or a leak."""
+    from . import loadgen
+
+    try:
+        cfg = config_mod.load(args.config)
+    except ConfigError as exc:
+        print(f"mmsched: config error: {exc}", file=sys.stderr)
+        return 2
+    spec = loadgen.LoadSpec(
+        frontend=args.frontend or cfg.frontend, rate=args.rate, concurrency=args.concurrency,
+        requests=args.requests, duration=args.duration, drain_s=args.drain, type=args.type, items=args.items,
+        item_bytes=args.item_bytes, transports=args.transport, session_turns=args.session_turns,
+        fail_rate=args.fail_rate, client_faults=args.client_faults, abort_rate=args.abort_rate, seed=args.seed,
+        shm_prefix=cfg.shm_prefix, pool_bytes=int(args.pool_mb * (1 << 20)) if args.pool_mb else None,
+        progress=not args.quiet and sys.stderr.isatty())
+    try:
+        spec.validate()
+    except ValueError as exc:
+        print(f"mmsched loadtest: {exc}", file=sys.stderr)
+        return 2
+    report = loadgen.run_sync(spec)
+    print(loadgen.format_table(report))
+    if args.json:
+        loadgen.write_json(report, args.json)
+    if args.plot:
+        try:
+            loadgen.write_plot(report, args.plot)
+        except RuntimeError as exc:
+            print(f"mmsched loadtest: {exc}", file=sys.stderr)
+            return 2
+    return 0 if report.ok else 1
 
 
 if __name__ == "__main__":

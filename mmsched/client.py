@@ -292,7 +292,7 @@ class Client:
             kind = h.get("type")
             if kind == "result":
                 res = Result.from_header(h)
-                fut = self._results.get(res.rid) if res.rid is not None else None
+                fut = self._results.pop(res.rid, None) if res.rid is not None else None
                 for off, n in self._slices.pop(res.rid, ()) if res.rid is not None else ():
                     self.shm_pool.free(off, n)  # every rank has finished reading it (guarantee 5)
                 leases = self._leases.pop(res.rid, None) if res.rid is not None else None

@@ -23,10 +23,12 @@ class RankCounters:
     release_failures: int = 0
     segments_unlinked: int = 0
     bytes_materialized: int = 0
+    bytes_forwarded: int = 0  # leader: feature bytes shipped to ranks on other hosts
 
     def snapshot(self) -> dict:
         return {"failures": dict(self.failures), "release_failures": self.release_failures,
-                "segments_unlinked": self.segments_unlinked, "bytes_materialized": self.bytes_materialized}
+                "segments_unlinked": self.segments_unlinked, "bytes_materialized": self.bytes_materialized,
+                "bytes_forwarded": self.bytes_forwarded}
 
 
 class Metrics:
@@ -74,6 +76,8 @@ class _GroupCollector:
         yield rel
         yield CounterMetricFamily("mmsched_segments_unlinked", "Shared-memory segments unlinked by the leader",
                                   value=per_rank.get(0, {}).get("segments_unlinked", 0) + ld.unlinked_at_leader)
+        yield CounterMetricFamily("mmsched_feature_bytes_forwarded", "Feature bytes the leader sent to other hosts",
+                                  value=per_rank.get(0, {}).get("bytes_forwarded", 0))
         yield CounterMetricFamily("mmsched_orphans_reclaimed", "Orphaned segments removed by the sweep",
                                   value=ld.orphans_reclaimed)
         yield GaugeMetricFamily("mmsched_session_bytes", "Feature bytes held by sessions",

@@ -267,7 +267,7 @@ def _request(h: dict, typ: str, frames: Sequence[Any], limits: Limits) -> Reques
         raise BadRequest("params", "must be a map")
     mnt = params.get("max_new_tokens", limits.default_max_new_tokens)
     if not _is_int(mnt) or not 1 <= mnt <= limits.max_new_tokens:
-        raise BadRequest("params.max_new_tokens", f"must be an int in 1..{limits.max_new_tokens}")
+        raise BadRequest("params.max_new_tokens", f"must be an int in 1..{limits.max_new_tokens} (max_new_tokens)")
     raw_items = h.get("mm_items", [])
     if raw_items is None:
         raw_items = []
@@ -389,7 +389,7 @@ def _input_ids(v: Any, limits: Limits) -> np.ndarray:
     else:
         raise BadRequest(f, "required: an array of ints or a bin of int32")
     if not 1 <= arr.size <= limits.max_input_len:
-        raise BadRequest(f, f"length {arr.size} outside 1..{limits.max_input_len}")
+        raise BadRequest(f, f"length {arr.size} outside 1..{limits.max_input_len} (max_input_len)")
     if arr.min() < 0 or arr.max() >= 2**31:
         raise BadRequest(f, "each id must satisfy 0 <= id < 2^31")
     return arr.astype("<i4", copy=False)

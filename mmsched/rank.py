@@ -161,7 +161,8 @@ class Leader:
             msg.client, msg.t0 = client, time.monotonic()
             self._admit(msg)
         elif isinstance(msg, Ping):
-            self._send_to_client(client, protocol.pong(self.world, self.healthy, state=self.state.value))
+            self._send_to_client(client, protocol.pong(self.world, self.healthy, state=self.state.value,
+                                                       hosts=self.runner.topology.by_host()))
         elif isinstance(msg, Abort):
             self._abort((client, msg.rid))
         elif isinstance(msg, CloseSession):
@@ -236,7 +237,8 @@ class Leader:
         stuck = self.lane.stuck_for()
         if stuck > self.cfg.collective_timeout:
             return False, f"lane stuck: a collective has run {stuck:.1f}s (deadline {self.cfg.collective_timeout:g}s)"
-        return True, f"serving ranks={self.world}"
+        hosts = " ".join(f"{h}={','.join(map(str, r))}" for h, r in self.runner.topology.by_host().items())
+        return True, f"serving ranks={self.world} {hosts}"
 
     def rank_counters(self) -> dict[int, dict]:
         """Counter snapshots by rank: the leader's live, followers' as of their last report."""

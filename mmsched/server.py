@@ -30,6 +30,7 @@ from .group import GlooGroup, SoloGroup
 from .lane import Lane
 from .log import event
 from .rank import Follower, Leader
+from .remote import Topology
 from .sessions import SessionStore
 
 
@@ -46,10 +47,17 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     except Exception as exc:
         event("group_init_failed", logging.ERROR, error=describe(exc))
         return 3
+    try:
+        topology = Topology.single() if world == 1 else Topology.discover(rank, world)
+    except Exception as exc:
+        event("group_init_failed", logging.ERROR, error=describe(exc))
+        return 3
+    if topology.remote_hosts:
+        event("topology", hosts=topology.by_host(), remote_ranks=topology.remote_ranks)
     lane = Lane(cfg.collective_timeout)
     engine = ReferenceEngine(rank, world, seed=cfg.seed, stall_s=cfg.stall_s)
     runner = BatchRunner(group, engine, Faults(cfg.faults, rank), unlinks=(rank == 0),
-                         sessions=SessionStore(cfg.session_max_bytes))
+                         sessions=SessionStore(cfg.session_max_bytes), topology=topology)
     code = _run_loop(cfg, runner, lane, rank, world)
     if code != 0:
         logging.shutdown()
