@@ -105,20 +105,21 @@ class BatchRunner:
         digests: list[list[str]] = [[] for _ in range(n)]
         prefixes = torch.zeros(n, 1, dtype=torch.int64)
         for i, (req, feats) in enumerate(zip(reqs, opened)):
+            if self.faults.hit("hold", req.rid):  # a drill: a slow rank between broadcast and consensus
+                time.sleep(getattr(self.engine, "stall_s", 0.0))
             if self.is_aborted(req):
                 flags[i] = consensus.ABORTED
                 continue
             try:
                 tensors[i] = [f.materialize() for f in feats]
+                if req.want_digest:
+                    digests[i] = [hashlib.sha256(t.reshape(-1).view(torch.uint8).cpu().numpy()).hexdigest()
+                                  for t in tensors[i]]
+                    prefixes[i, 0] = digest_prefix(digests[i])
             except Exception as exc:
                 flags[i], errors[i] = consensus.FAILED, describe(exc)
                 tensors[i] = []
                 self.counters.failures["open" if any(f.error for f in feats) else "materialize"] += 1
-                continue
-            if req.want_digest:
-                digests[i] = [hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy()).hexdigest()
-                              for t in tensors[i]]
-                prefixes[i, 0] = digest_prefix(digests[i])
         if forwarded and rank == 0:  # 2b. the leader ships what it read to the other hosts
             self.counters.bytes_forwarded += remote.ship(topo, forwarded, tensors, errors)
             for i, j in forwarded:
@@ -156,7 +157,7 @@ class BatchRunner:
         results = []
         for i, req in enumerate(reqs):
             if verdict.aborted(i):
-                results.append(result(req.rid, ABORTED, "aborted by client"))
+                results.append(result(req.rid, ABORTED, "aborted by client", meta={"stage": "materialize"}))
             elif not verdict.ok(i):
                 ranks = verdict.failed_ranks(i)
                 results.append(result(req.rid, INTERNAL,
@@ -173,7 +174,7 @@ class BatchRunner:
             else:
                 j = slot[i]
                 if everdict.aborted(j):
-                    results.append(result(req.rid, ABORTED, "aborted by client"))
+                    results.append(result(req.rid, ABORTED, "aborted by client", meta={"stage": "engine"}))
                 elif not everdict.ok(j):
                     results.append(result(req.rid, INTERNAL, f"Engine step failed ({everdict.message(j)})",
                                           meta={"failed_ranks": everdict.failed_ranks(j), "stage": "engine"}))

@@ -249,6 +249,8 @@ class Client:
         """Send a header (or pre-packed bytes) and frames; a future for ``rid``'s result if given."""
         fut = None
         if rid is not None:
+            if rid in self._results:
+                raise ValueError(f"rid {rid!r} is already in flight on this client")
             fut = asyncio.get_running_loop().create_future()
             self._results[rid] = fut
         body = packed if packed is not None else pack(header)

@@ -49,8 +49,8 @@ class Config:
     torch_threads: int = _opt(1, "torch intra-op threads per rank (ranks only move data)", 1, 1024)
     log_format: str = _opt("text", "log line format", choices=("text", "json"))
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
-    fault: list = _opt([], "inject failures: RANK:STAGE:RID_GLOB (stages: open materialize release engine stall)")
-    stall_s: float = _opt(3.0, "seconds a 'stall' fault holds its rank before the engine collective", 0, 3600)
+    fault: list = _opt([], "inject failures: RANK:STAGE:RID_GLOB (stages: open materialize release engine stall hold)")
+    stall_s: float = _opt(3.0, "seconds a 'stall' (engine) or 'hold' (materialize) fault holds its rank", 0, 3600)
     session_idle_timeout: float = _opt(600.0, "seconds a session may sit unused before its features are released", 0.001, 1e9)
     session_max_bytes: int = _opt(1 << 30, "most feature bytes all sessions together may hold; beyond it, 503", 0, 1 << 42)
     sweep_grace: float = _opt(60.0, "seconds an unlocked, prefixed segment must be old before the sweep takes it", 0, 1e9)
@@ -167,10 +167,7 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None,
             raise ConfigError(f"{k}: unknown setting")
         values[k] = _coerce(k, v, from_text=False)
     cfg = Config(**values)
-    try:
-        cfg.faults
-    except ConfigError as exc:
-        raise ConfigError(f"fault: {exc}") from None
+    cfg.faults  # noqa: B018 - parses every fault spec; a bad one names itself
     if not cfg.frontend.startswith(("ipc://", "tcp://")) or cfg.frontend in ("ipc://", "tcp://"):
         raise ConfigError(f"frontend: {cfg.frontend!r} is not an ipc:// or tcp:// address")
     port = cfg.admin.rpartition(":")[2]

@@ -62,7 +62,7 @@ class ReferenceEngine:
         counts = np.bincount(req.input_ids % self.TOKEN_TABLE, minlength=self.TOKEN_TABLE)
         x = torch.from_numpy(counts @ self.token_table / len(req.input_ids))
         for t in feats:
-            b = t.reshape(-1).view(torch.uint8)
+            b = t.reshape(-1).view(torch.uint8).cpu()  # the reference engine computes on the CPU
             n = b.numel()
             if n == 0:
                 continue

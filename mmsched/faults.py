@@ -5,6 +5,8 @@ close/unlink failure, after which the real release still runs, so a drill leaves
 /dev/shm clean while proving the request's result does not depend on its release.
 ``stall`` makes the rank sleep (``stall_s``) before its engine collective, holding its
 peers inside it: the drill for slow collectives and for the collective deadline.
+``hold`` makes the rank sleep (``stall_s``) while materializing that request, before the
+leader looks for its abort: the drill for a request caught between broadcast and consensus.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError, InjectedFault
 
-STAGES = ("open", "materialize", "release", "engine", "stall")
+STAGES = ("open", "materialize", "release", "engine", "stall", "hold")
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,12 @@ class Faults:
                 self._by_stage.setdefault(f.stage, []).append(f.rid_glob)
         self.rank = rank
 
-    def check(self, stage: str, rid: str) -> None:
+    def hit(self, stage: str, rid: str) -> bool:
         globs = self._by_stage.get(stage)
-        if globs and any(fnmatch.fnmatchcase(rid, g) for g in globs):
+        return bool(globs) and any(fnmatch.fnmatchcase(rid, g) for g in globs)
+
+    def check(self, stage: str, rid: str) -> None:
+        if self.hit(stage, rid):
             raise InjectedFault(f"injected {stage} fault on rank {self.rank}")
 
     def __bool__(self) -> bool:

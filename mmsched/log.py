@@ -13,7 +13,8 @@ logger = logging.getLogger("mmsched")
 def event(name: str, level: int = logging.INFO, **fields) -> None:
     """Log one event with key=value fields (rendered by the configured formatter)."""
     if logger.isEnabledFor(level):
-        logger.log(level, name, extra={"fields": fields})
+        exc_info = fields.pop("exc_info", False)
+        logger.log(level, name, exc_info=exc_info, extra={"fields": fields})
 
 
 class _TextFormatter(logging.Formatter):

@@ -111,9 +111,11 @@ class Leader:
 
     # ------------------------------------------------------------ client I/O
     def _send_to_client(self, client: bytes, header: dict, t0: float | None = None) -> None:
-        try:
-            self._raw.send_multipart([client, pack(header)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
+        # Through the asyncio socket, not the shadow: a send processes the socket's mailbox and
+        # can consume the edge-triggered FD signal the receiver's poll waits on; pyzmq's own
+        # send then re-checks ZMQ_EVENTS, so incoming messages are never left unread.
+        exc = self.sock.send_multipart([client, pack(header)], flags=zmq.NOBLOCK).exception()
+        if exc is not None:
             event("send_failed", logging.WARNING, rid=header.get("rid"), error=describe(exc))
         if header.get("type") == "result":
             status = header["status"]
@@ -122,9 +124,10 @@ class Leader:
                 self.metrics.request_latency.labels(str(status)).observe(time.monotonic() - t0)
 
     def _answer(self, req: Request, status: int, message: str, **meta) -> None:
-        """Answer a request that never reached the ranks: the leader owns its segments alone."""
+        """Answer a request that never reached the ranks (or whose batch was lost with the
+        group): the leader owns its segments alone, and unlinks what is still there."""
         for name in req.owned_segments:
-            self.unlinked_at_leader += unlink_segment(name, req.rid)
+            self.unlinked_at_leader += unlink_segment(name, req.rid, quiet_if_missing=True)
         self._forget(req)
         for it in req.items:
             if it.transport == "cuda_ipc":  # no rank will read it: acknowledge for all of them
@@ -199,6 +202,7 @@ class Leader:
     def _admit(self, req: Request) -> None:
         bad_ref = self._unknown_ref(req)
         if bad_ref:
+            event("bad_request", rid=req.rid, field=bad_ref.split(":", 1)[0], error=bad_ref)
             self._answer(req, BAD_REQUEST, bad_ref)
         elif req.key in self.queue or req.key in self.inflight:
             for name in req.owned_segments:
@@ -311,7 +315,7 @@ class Leader:
                 await asyncio.wait({step, now}, return_when=asyncio.FIRST_COMPLETED)
                 now.cancel()
                 if not step.done():  # a second signal: answer what is held and go, now
-                    step.add_done_callback(lambda f: f.exception())
+                    step.add_done_callback(lambda f: f.cancelled() or f.exception())
                     self._answer_inflight(UNAVAILABLE, "service unavailable: stopped before this request finished")
                     break
                 try:
@@ -369,16 +373,20 @@ class Leader:
             self._answer(req, status, message)
         self.queue.clear()
 
-    def _answer_inflight(self, status: int, message: str) -> None:
+    def _answer_inflight(self, status: int, message: str, **meta) -> None:
         for req in list(self.inflight.values()):
-            self._answer(req, status, message)
+            self._answer(req, status, message, **meta)
         self.inflight.clear()
 
     async def _broken(self, reason: str) -> int:
         """The group is gone: answer everything held, release locally, report unhealthy, exit non-zero."""
         self.state, self.broken_reason = State.BROKEN, f"rank group broken: {reason}"
         event("group_broken", logging.ERROR, reason=reason, inflight=len(self.inflight), queued=len(self.queue))
-        self._answer_inflight(INTERNAL, f"{self.broken_reason}; the request may not have run on every rank")
+        self._answer_inflight(INTERNAL, f"{self.broken_reason}; the request may not have run on every rank",
+                              failed_ranks=list(range(self.world)), stage="group")
+        for client, sid in self._acking + self._closing:  # the sessions die with the group
+            self._send_to_client(client, protocol.ack_close(sid))
+        self._acking, self._closing = [], []
         self._answer_all(UNAVAILABLE, f"service unavailable: {self.broken_reason}")
         # Linger briefly so clients that send now get a 503 rather than silence.
         deadline = time.monotonic() + 2.0

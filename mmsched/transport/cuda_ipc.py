@@ -23,6 +23,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgpack
 import numpy as np
 import torch
 
@@ -94,29 +95,35 @@ class ShmDevice:
 
 
 class CudaDevice:
-    """Real CUDA IPC through torch's storage sharing (the rebuild torch.multiprocessing does)."""
+    """Real CUDA IPC through torch's storage sharing (the rebuild torch.multiprocessing does).
+
+    The handle travels as a msgpack array of the eight values ``_share_cuda_`` returns;
+    it comes from a client, so it is never unpickled.
+    """
 
     kind = "cuda"
 
     def __init__(self, device: int | None = None):
         if not torch.cuda.is_available():
             raise FeatureError("CUDA is not available on this rank")
-        self.device = torch.cuda.current_device() if device is None else device
+        if device is None:  # a rank uses the device of its local rank
+            device = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        self.device = device
 
     def export(self, nbytes, prefix):
-        import pickle
-
         buf = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{self.device}")
-        return buf, pickle.dumps(buf.untyped_storage()._share_cuda_())
+        return buf, msgpack.packb(list(buf.untyped_storage()._share_cuda_()), use_bin_type=True)
 
     def write(self, buffer, offset, data):
         src = data.detach().contiguous().reshape(-1).view(torch.uint8)
         buffer[offset: offset + src.numel()].copy_(src, non_blocking=False)
 
     def attach(self, handle):
-        import pickle
-
-        (dev, h, size, off, rc_h, rc_off, ev_h, ev_sync) = pickle.loads(handle)  # noqa: S301 - our own tuple
+        fields = msgpack.unpackb(handle, raw=False)
+        if not isinstance(fields, list) or len(fields) != 8:
+            raise FeatureError("cuda_ipc handle is not the 8-field array _share_cuda_ gives")
+        dev, h, size, off, rc_h, rc_off, ev_h, ev_sync = fields
+        torch.cuda._lazy_init()
         storage = torch.UntypedStorage._new_shared_cuda(dev, h, size, off, rc_h, rc_off, ev_h, ev_sync)
         return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 

@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import secrets
+import stat
 
 import numpy as np
 import torch
@@ -46,8 +47,7 @@ class ShmFeature:
         self._fd, self._released, self.unlinked = -1, False, False
         try:
             faults.check("open", rid)
-            self._fd = os.open(shm_path(item.shm_name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            self._fd = open_segment(item.shm_name)
             size = os.fstat(self._fd).st_size
             need = item.offset + item.nbytes
             if need > size:
@@ -93,6 +93,23 @@ class ShmFeature:
         return f"<ShmFeature {self.item.shm_name} {self.item.nbytes}B {state}>"
 
 
+def open_segment(name: str) -> int:
+    """Open a segment read-only and share-lock it, never blocking: a FIFO or a segment another
+    process holds exclusively is an error for this request, not a stalled rank."""
+    fd = os.open(shm_path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FeatureError(f"{name} is not a regular shared-memory segment")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise FeatureError(f"segment {name} is locked exclusively by another process") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_into(fd: int, dst: np.ndarray, offset: int, name: str) -> None:
     """Fill ``dst`` (uint8, contiguous) from the segment at ``offset``; a short read is an error."""
     view = memoryview(dst).cast("B")
@@ -122,11 +139,9 @@ def hold(names: list[str]) -> list[int]:
     fds = []
     for name in names:
         try:
-            fd = os.open(shm_path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue  # missing: the request will fail to open it, as it should
-        fcntl.flock(fd, fcntl.LOCK_SH)  # a sweep holds its exclusive lock only for an instant
-        fds.append(fd)
+            fds.append(open_segment(name))
+        except (OSError, FeatureError):
+            continue  # missing, odd or locked: the request will fail to open it, as it should
     return fds
 
 

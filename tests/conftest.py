@@ -1,0 +1,167 @@
+"""Shared fixtures: real server processes, and a /dev/shm guard on every test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import msgpack
+import pytest
+import zmq
+
+SHM_DIR = "/dev/shm"
+PREFIX = "mmsched_"
+
+
+def shm_segments(prefix: str = PREFIX) -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(prefix)}
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _foreign(name: str) -> bool:
+    """A segment whose creator (``<prefix><pid>_...``) is alive outside this test run.
+
+    Another run on the same machine (a developer's server, a second pytest) owns it:
+    neither flagged nor removed here. Segments of our own processes, dead ones included,
+    are ours to account for."""
+    head = name[len(PREFIX):].split("_", 1)[0]
+    if not head.isdigit():
+        return False
+    pid, me = int(head), os.getpid()
+    for _ in range(64):  # walk up the parent chain
+        if pid == me:
+            return False
+        parent = _ppid(pid)
+        if parent is None:
+            return pid != int(head)  # the creator itself is gone: ours (a killed client)
+        if parent <= 1:
+            return True
+        pid = parent
+    return True
+
+
+def _new_segments(before: set[str]) -> set[str]:
+    return {n for n in shm_segments() - before if not _foreign(n)}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments():
+    """Fail the test that leaves an mmsched segment in /dev/shm (and clean up after it)."""
+    before = shm_segments()
+    yield
+    deadline = time.monotonic() + 2.0  # a killed server's ranks may still be exiting
+    while (leaked := _new_segments(before)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if leaked:
+        for name in leaked:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
+        pytest.fail(f"test leaked {len(leaked)} segment(s) in /dev/shm: {sorted(leaked)[:5]}")
+
+
+def sync_ping(addr: str, timeout: float = 1.0) -> dict | None:
+    """One ping over a fresh DEALER; None if no pong within timeout."""
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    try:
+        s.connect(addr)
+        s.send(msgpack.packb({"v": 1, "type": "ping"}))
+        if s.poll(int(timeout * 1000)):
+            return msgpack.unpackb(s.recv(), raw=False)
+        return None
+    finally:
+        s.close(linger=0)
+
+
+class Server:
+    """A real ``mmsched serve`` subprocess on a private ipc:// address."""
+
+    def __init__(self, *args: str, tmp_dir: str, env: dict | None = None):
+        self.addr = f"ipc:///tmp/mmsched-test-{uuid.uuid4().hex[:10]}.sock"
+        self.log_path = os.path.join(tmp_dir, f"server-{uuid.uuid4().hex[:6]}.log")
+        self._log = open(self.log_path, "wb")
+        clean_env = {k: v for k, v in os.environ.items()
+                     if not k.startswith("MMSCHED_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        clean_env.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mmsched", "serve", "--frontend", self.addr, *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=clean_env, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 60.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.logs()}")
+            pong = sync_ping(self.addr, 0.5)
+            if pong is not None:
+                return pong
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        self._log.flush()
+        with open(self.log_path, "rb") as fh:
+            return fh.read().decode(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
+
+    def kill_all(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture
+def start_server(tmp_path):
+    """Factory: ``srv = start_server("--tp", "2")`` starts and waits for a ready server."""
+    servers: list[Server] = []
+
+    def start(*args: str, env: dict | None = None, ready: bool = True) -> Server:
+        srv = Server(*args, tmp_dir=str(tmp_path), env=env)
+        servers.append(srv)
+        if ready:
+            srv.wait_ready()
+        return srv
+
+    yield start
+    for srv in servers:
+        if srv.proc.poll() is None:
+            try:
+                srv.stop(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        srv.kill_all()
+
+
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory):
+    """One tp=1 server for a whole module of tests that do not change its state."""
+    srv = Server(tmp_dir=str(tmp_path_factory.mktemp("srv")))
+    srv.wait_ready()
+    yield srv
+    srv.stop(timeout=20)
+    srv.kill_all()
