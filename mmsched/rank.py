@@ -6,6 +6,7 @@ forms batches; a follower receives the leader's batches. Both run the same
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -284,8 +285,10 @@ class Leader:
             self._follower_counters = self.runner.exchange_counters()
         return out
 
-    def _finish(self, batch: Batch, results: list[dict]) -> None:
-        """4. Answer each request once; forget it. Ack the sessions this batch closed."""
+    def _finish(self, batch: Batch, results: list[dict], stats) -> None:
+        """Answer each request once; forget it. Ack the sessions this batch closed."""
+        if stats is not None:
+            self.metrics.consensus_seconds.observe(stats.consensus_s)
         for client, sid in self._acking:
             self._send_to_client(client, protocol.ack_close(sid))
         for req, res in zip(batch.requests, results):
@@ -298,45 +301,58 @@ class Leader:
             self._send_to_client(req.client, res, req.t0)
 
     async def serve(self) -> int:
-        self.state = State.SERVING
-        event("serving", frontend=self.cfg.frontend, ranks=self.world, max_batch=self.cfg.max_batch)
-        receiver = asyncio.ensure_future(self._recv_from_clients())
-        sweeper = asyncio.ensure_future(self._sweep_orphans())
-        admin = AdminServer(self, self.cfg.admin) if self.cfg.admin else None
-        if admin:
-            await admin.start()
-        try:
+        """The leader's loop: take, run on every rank, answer — until drained or broken."""
+        async with self._services():
             while not self._done():
-                batch = await self._next_batch()
+                batch = await self._next_batch()                 # 1. what is queued (or a heartbeat)
                 if batch.empty and self.world == 1:
                     continue
-                step = asyncio.ensure_future(self.lane.run(self._lead, batch))
-                now = asyncio.ensure_future(self._now.wait())
-                await asyncio.wait({step, now}, return_when=asyncio.FIRST_COMPLETED)
-                now.cancel()
-                if not step.done():  # a second signal: answer what is held and go, now
-                    step.add_done_callback(lambda f: f.cancelled() or f.exception())
-                    self._answer_inflight(UNAVAILABLE, "service unavailable: stopped before this request finished")
-                    break
                 try:
-                    results, stats = step.result()
+                    outcome = await self._run_on_lane(batch)     # 2. broadcast + run, on every rank
                 except GroupBroken as exc:
                     return await self._broken(str(exc))
-                if stats is not None:
-                    self.metrics.consensus_seconds.observe(stats.consensus_s)
-                self._finish(batch, results)
-            if not self._now.is_set():
-                await self._stop_followers()
-            self._answer_all(UNAVAILABLE, "service unavailable: shut down before this request ran")
-            self.state = State.STOPPED
-            event("stopped", results=dict(sorted(self.results_sent.items())))
-            return 0
+                if outcome is None:                              # a second signal: go now
+                    break
+                self._finish(batch, *outcome)                    # 3. answer each request once
+            return await self._stopped()
+
+    async def _run_on_lane(self, batch: Batch):
+        """(results, stats) of the batch; None when a second signal cut it short."""
+        step = asyncio.ensure_future(self.lane.run(self._lead, batch))
+        now = asyncio.ensure_future(self._now.wait())
+        await asyncio.wait({step, now}, return_when=asyncio.FIRST_COMPLETED)
+        now.cancel()
+        if not step.done():
+            step.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._answer_inflight(UNAVAILABLE, "service unavailable: stopped before this request finished")
+            return None
+        return step.result()
+
+    async def _stopped(self) -> int:
+        if not self._now.is_set():
+            await self._stop_followers()
+        self._answer_all(UNAVAILABLE, "service unavailable: shut down before this request ran")
+        self.state = State.STOPPED
+        event("stopped", results=dict(sorted(self.results_sent.items())))
+        return 0
+
+    @contextlib.asynccontextmanager
+    async def _services(self):
+        """Receiving, the orphan sweep and the admin endpoint run beside the loop; closed after it."""
+        self.state = State.SERVING
+        event("serving", frontend=self.cfg.frontend, ranks=self.world, max_batch=self.cfg.max_batch)
+        tasks = [asyncio.ensure_future(self._recv_from_clients()), asyncio.ensure_future(self._sweep_orphans())]
+        admin = AdminServer(self, self.cfg.admin) if self.cfg.admin else None
+        try:
+            if admin:
+                await admin.start()
+            yield
         finally:
             if admin:
                 await admin.close()
-            receiver.cancel()
-            sweeper.cancel()
-            await asyncio.gather(receiver, sweeper, return_exceptions=True)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             self.sock.close(linger=1000)
             if self._auth is not None:
                 self._auth.stop()
@@ -395,8 +411,17 @@ class Leader:
             self._answer_all(UNAVAILABLE, f"service unavailable: {self.broken_reason}")
         return 3
 
+    # Signals this close together are one stop: the launcher forwards a SIGTERM that a
+    # process manager (systemd, a terminal's Ctrl-C under torchrun) may also deliver here.
+    SAME_STOP_S = 1.0
+    _stop_asked_at = float("-inf")
+
     def request_stop(self, immediate: bool = False) -> None:
         """Signal handlers call this only: set state, wake the loop."""
+        now = time.monotonic()
+        if not immediate and self.state is State.DRAINING and now - self._stop_asked_at < self.SAME_STOP_S:
+            return
+        self._stop_asked_at = now
         if immediate or self.state is State.DRAINING:
             event("stop_now", inflight=len(self.inflight), queued=len(self.queue))
             self._drain_deadline = 0.0
