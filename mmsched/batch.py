@@ -151,7 +151,8 @@ class BatchRunner:
         if live:
             eflags = np.array([consensus.ABORTED if self.is_aborted(reqs[i]) else 0 for i in live], dtype=np.int64)
             inputs = [EngineInput(reqs[i], tensors[i]) for i in live]
-            outputs, everdict = self.engine.step(self.group, inputs, eflags, self.faults)
+            outputs, everdict = self.engine.step(self.group, inputs, eflags, self.faults,
+                                                 aborted=lambda j: self.is_aborted(reqs[live[j]]))
             self.counters.failures["engine"] += int((everdict.flags[rank] == consensus.FAILED).sum())
         # 6. results (built on every rank, sent by the leader)
         results = []

@@ -30,9 +30,12 @@ class EngineInput:
 
 
 class Engine(Protocol):
-    def step(self, group, batch: list[EngineInput], flags: np.ndarray,
-             faults: Faults) -> tuple[list[dict | None], consensus.Verdict]:
-        """Outputs (None where the verdict says the request did not succeed) and the verdict."""
+    def step(self, group, batch: list[EngineInput], flags: np.ndarray, faults: Faults,
+             aborted=lambda i: False) -> tuple[list[dict | None], consensus.Verdict]:
+        """Outputs (None where the verdict says the request did not succeed) and the verdict.
+
+        ``aborted(i)`` is the leader's latest word on request i: ask it right before the
+        collective that agrees the flags, so an abort that arrived during the step counts."""
 
 
 class ReferenceEngine:
@@ -74,7 +77,7 @@ class ReferenceEngine:
             x += (sums / (255.0 * max(m, 1))) @ self.byte_proj
         return x
 
-    def step(self, group, batch, flags, faults):
+    def step(self, group, batch, flags, faults, aborted=lambda i: False):
         n = len(batch)
         x = torch.zeros(n, self.D_IN, dtype=torch.float64)
         errors: dict[int, str] = {}
@@ -93,6 +96,9 @@ class ReferenceEngine:
                 stall = True
         if stall:
             time.sleep(self.stall_s)  # a drill: this rank holds its peers inside the collective
+        for i in range(n):
+            if not flags[i] and aborted(i):
+                flags[i] = consensus.ABORTED
         local = torch.zeros(n, self.width, dtype=torch.float64)
         local[:, : self.shard.shape[1]] = x @ self.shard
         verdict = consensus.agree(group, flags, errors, extra=local)

@@ -1,0 +1,156 @@
+"""The real command line: ``mmsched serve`` start, ping, SIGTERM drain, config errors, ``make serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import torch
+
+from mmsched.client import Client, raw, shm
+from mmsched.transport.shm import create_segment
+from tests.conftest import sync_ping
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MMSCHED = os.path.join(os.path.dirname(sys.executable), "mmsched")
+PREFIX = "mmsched_"
+
+
+def clean_env() -> dict:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("MMSCHED_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+
+def assert_clean_log(text: str) -> None:
+    assert "resource_tracker" not in text, text
+    assert "leaked" not in text.lower(), text
+    assert "Traceback" not in text, text
+
+
+async def test_ping_through_the_client(shared_server):
+    async with Client(shared_server.addr) as c:
+        pong = await c.ping(timeout=10)
+        assert pong["v"] == 1 and pong["type"] == "pong"
+        assert pong["ranks"] == 1 and pong["healthy"] is True
+        r = await c.embed([1, 2, 3], [shm(torch.ones(2, 2))])
+        assert r.status == 200
+
+
+async def test_sigterm_drains_every_request_once(start_server):
+    """hold-0 stalls 2 s in the engine; 20 more queue behind it; SIGTERM with a 0.5 s drain budget."""
+    srv = start_server("--fault", "0:stall:hold-*", "--stall-s", "2", "--shutdown-timeout", "0.5")
+    segs = [create_segment(torch.full((16,), float(i)), PREFIX) for i in range(22)]  # ready before the clock runs
+    names = [s.name for s in segs]
+
+    def item(seg):
+        return raw({"modality": "image", "transport": "shm", "dtype": "float32", "shape": [seg.nbytes // 4],
+                    "shm_name": seg.name})
+
+    async with Client(srv.addr) as c:
+        futs = {}
+        futs["hold-0"] = c.send_request("embed", [1], [item(segs[0])], rid="hold-0")
+        segs[0].sent()
+        deadline = time.monotonic() + 15
+        while os.path.exists(f"/dev/shm/{segs[0].name}"):  # materialized: hold-0 is inside the engine step
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        for i in range(1, 21):
+            futs[f"q-{i}"] = c.send_request("embed", [i + 1], [item(segs[i])], rid=f"q-{i}")
+            segs[i].sent()
+        await c.ping(timeout=10)  # the server has read every request above
+        srv.proc.send_signal(signal.SIGTERM)
+        late = c.send_request("embed", [1], [item(segs[21])], rid="late")
+        segs[21].sent()
+        results = {rid: await c.wait(rid, f, 30) for rid, f in futs.items()}
+        late_result = await c.wait("late", late, 30)
+        code = await asyncio.get_running_loop().run_in_executor(None, srv.proc.wait, 30)
+        await asyncio.sleep(0.2)
+        assert c.unrouted == []
+    assert code == 0, srv.logs()
+    assert results["hold-0"].status == 200, results["hold-0"].message
+    for rid, r in results.items():
+        assert r.status in (200, 503), (rid, r.status, r.message)
+        assert r.rid == rid
+        if r.status == 503:
+            assert r.err_type == "ServiceUnavailable"
+    assert any(r.status == 503 for r in results.values()), "a 0.5 s drain cannot run 20 queued requests"
+    assert late_result.status in (200, 503)
+    leftover = [n for n in names if os.path.exists(f"/dev/shm/{n}")]
+    assert leftover == [], "segments of drained requests were not unlinked"
+    assert_clean_log(srv.logs())
+
+
+async def test_sigterm_waits_for_in_flight_work_within_the_drain_timeout(start_server):
+    srv = start_server("--fault", "0:stall:hold-*", "--stall-s", "1")
+    async with Client(srv.addr) as c:
+        futs = {rid: c.send_request("embed", [1], [shm(torch.ones(8))], rid=rid)
+                for rid in ("hold-a", "b", "c")}
+        await c.ping(timeout=10)
+        srv.proc.send_signal(signal.SIGTERM)
+        results = {rid: await c.wait(rid, f, 30) for rid, f in futs.items()}
+        code = await asyncio.get_running_loop().run_in_executor(None, srv.proc.wait, 30)
+    assert code == 0
+    assert {rid: r.status for rid, r in results.items()} == {"hold-a": 200, "b": 200, "c": 200}
+    assert_clean_log(srv.logs())
+
+
+def test_config_errors_exit_2_and_name_the_key(tmp_path):
+    toml = tmp_path / "bad.toml"
+    toml.write_text('max_batch = 8\nbogus_knob = 3\n')
+    addr = f"ipc:///tmp/mmsched-test-{uuid.uuid4().hex[:10]}.sock"
+    runs = {
+        "max_batch": [MMSCHED, "serve", "--frontend", addr, "--max-batch", "0"],
+        "bogus_knob": [MMSCHED, "serve", "--frontend", addr, "--config", str(toml)],
+    }
+    procs = {key: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=clean_env(), start_new_session=True)
+             for key, cmd in runs.items()}
+    try:
+        for key, p in procs.items():
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 2, (key, out, err)
+            assert key in err, err
+            assert "Traceback" not in err
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert sync_ping(addr, 0.2) is None  # nothing was left serving
+
+
+def test_make_serve(tmp_path):
+    sock = f"/tmp/mmsched-make-{uuid.uuid4().hex[:10]}.sock"
+    addr = f"ipc://{sock}"
+    log = open(tmp_path / "make.log", "wb")
+    proc = subprocess.Popen(["make", "serve", f"ARGS=--frontend {addr}"], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True)
+    try:
+        pong = None
+        deadline = time.monotonic() + 60
+        while pong is None and time.monotonic() < deadline and proc.poll() is None:
+            pong = sync_ping(addr, 0.5)
+        assert pong is not None, (tmp_path / "make.log").read_text()
+        assert pong["type"] == "pong" and pong["ranks"] == 1 and pong["healthy"] is True
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while sync_ping(addr, 0.2) is not None:  # the server under make went too
+            assert time.monotonic() < deadline, "mmsched still answers after make exited"
+        assert_clean_log((tmp_path / "make.log").read_text())
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything make left behind
+        except ProcessLookupError:
+            pass
+        log.close()
+        if os.path.exists(sock):
+            os.unlink(sock)

@@ -1,0 +1,341 @@
+"""The wire contract's validation, without I/O: every malformed field is a BadRequest naming it."""
+
+from __future__ import annotations
+
+import copy
+
+import msgpack
+import numpy as np
+import pytest
+
+from mmsched.errors import BadRequest
+from mmsched.protocol import Abort, CloseSession, Limits, Ping, Request, decode, owned_segments, valid_shm_name
+
+LIMITS = Limits()
+PREFIX = LIMITS.shm_prefix
+
+
+def pack(header) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def base(**over) -> dict:
+    """A valid embed request with one shm and one inline item (frame 1 holds 2x3 float32)."""
+    h = {
+        "v": 1, "type": "embed", "rid": "r-1", "input_ids": [1, 2, 3],
+        "mm_items": [
+            {"modality": "image", "transport": "shm", "dtype": "float32", "shape": [2, 3],
+             "shm_name": PREFIX + "abc"},
+            {"modality": "audio", "transport": "inline", "dtype": "float32", "shape": [2, 3], "frame": 1},
+        ],
+    }
+    h.update(over)
+    return h
+
+
+PAYLOAD = bytes(24)
+
+
+def frames_of(header, *payloads) -> list:
+    return [pack(header), *(payloads or (PAYLOAD,))]
+
+
+def bad(header, *payloads, limits: Limits = LIMITS) -> BadRequest:
+    with pytest.raises(BadRequest) as ei:
+        decode(frames_of(header, *payloads), limits)
+    return ei.value
+
+
+def with_item(i: int, **over) -> dict:
+    h = base()
+    h["mm_items"][i].update(over)
+    return h
+
+
+def without_item_key(i: int, key: str) -> dict:
+    h = base()
+    del h["mm_items"][i][key]
+    return h
+
+
+def without(key: str) -> dict:
+    h = base()
+    del h[key]
+    return h
+
+
+# ---------------------------------------------------------------- the valid baseline
+
+def test_valid_request_decodes():
+    req = decode(frames_of(base()), LIMITS)
+    assert isinstance(req, Request)
+    assert req.rid == "r-1" and req.type == "embed"
+    assert req.input_ids.tolist() == [1, 2, 3] and req.input_ids.dtype == np.dtype("<i4")
+    assert [it.transport for it in req.items] == ["shm", "inline"]
+    assert req.items[0].nbytes == 24 and req.items[0].offset == 0 and req.items[0].pooled is False
+    assert bytes(req.items[1].payload) == PAYLOAD
+    assert req.max_new_tokens == LIMITS.default_max_new_tokens
+    assert req.owned_segments == [PREFIX + "abc"]
+
+
+def test_input_ids_as_int32_bin():
+    ids = np.array([5, 0, 2**31 - 1], dtype="<i4")
+    req = decode(frames_of(base(input_ids=ids.tobytes())), LIMITS)
+    assert req.input_ids.tolist() == [5, 0, 2**31 - 1]
+
+
+def test_generate_params_and_other_messages():
+    req = decode(frames_of(base(type="generate", params={"max_new_tokens": 3}, want_digest=True)), LIMITS)
+    assert req.type == "generate" and req.max_new_tokens == 3 and req.want_digest is True
+    assert isinstance(decode([pack({"v": 1, "type": "ping"})], LIMITS), Ping)
+    ab = decode([pack({"v": 1, "type": "abort", "rid": "x"})], LIMITS)
+    assert isinstance(ab, Abort) and ab.rid == "x"
+    cs = decode([pack({"v": 1, "type": "close_session", "session_id": "s"})], LIMITS)
+    assert isinstance(cs, CloseSession) and cs.session_id == "s"
+
+
+def test_shape_edges_accepted():
+    h = with_item(0, shape=[0, 3])
+    assert decode(frames_of(h), LIMITS).items[0].nbytes == 0
+    h = with_item(0, shape=[1] * 8)
+    assert decode(frames_of(h), LIMITS).items[0].shape == (1,) * 8
+
+
+def test_rid_of_128_chars_accepted():
+    assert decode(frames_of(base(rid="r" * 128)), LIMITS).rid == "r" * 128
+
+
+# ---------------------------------------------------------------- one field at a time
+
+CASES = {
+    # header level
+    "v missing": (without("v"), "v"),
+    "v 2": (base(v=2), "v"),
+    "v str": (base(v="1"), "v"),
+    "v true": (base(v=True), "v"),
+    "v float": (base(v=1.0), "v"),
+    "type missing": (without("type"), "type"),
+    "type unknown": (base(type="embedd"), "type"),
+    "type int": (base(type=3), "type"),
+    "type list": (base(type=["embed"]), "type"),
+    "type map": (base(type={"a": 1}), "type"),
+    "rid missing": (without("rid"), "rid"),
+    "rid empty": (base(rid=""), "rid"),
+    "rid 129 chars": (base(rid="r" * 129), "rid"),
+    "rid int": (base(rid=7), "rid"),
+    "rid bin": (base(rid=b"r-1"), "rid"),
+    "input_ids missing": (without("input_ids"), "input_ids"),
+    "input_ids empty list": (base(input_ids=[]), "input_ids"),
+    "input_ids empty bin": (base(input_ids=b""), "input_ids"),
+    "input_ids str": (base(input_ids="1 2 3"), "input_ids"),
+    "input_ids map": (base(input_ids={"a": 1}), "input_ids"),
+    "input_ids floats": (base(input_ids=[1.0, 2.0]), "input_ids"),
+    "input_ids bools": (base(input_ids=[True, False]), "input_ids"),
+    "input_ids nested": (base(input_ids=[[1], [2]]), "input_ids"),
+    "input_ids ragged": (base(input_ids=[1, [2]]), "input_ids"),
+    "input_ids mixed sign 64-bit": (base(input_ids=[-1, 2**64 - 1]), "input_ids"),
+    "input_ids str elements": (base(input_ids=["1"]), "input_ids"),
+    "input_ids nil elements": (base(input_ids=[1, None]), "input_ids"),
+    "input_ids negative": (base(input_ids=[1, -1]), "input_ids"),
+    "input_ids 2^31": (base(input_ids=[2**31]), "input_ids"),
+    "input_ids 2^63": (base(input_ids=[2**63]), "input_ids"),
+    "input_ids bin 5 bytes": (base(input_ids=b"\x01\x00\x00\x00\x02"), "input_ids"),
+    "input_ids bin negative": (base(input_ids=np.array([-3], "<i4").tobytes()), "input_ids"),
+    "params not map": (base(params=[1]), "params"),
+    "max_new_tokens 0": (base(type="generate", params={"max_new_tokens": 0}), "params.max_new_tokens"),
+    "max_new_tokens -1": (base(type="generate", params={"max_new_tokens": -1}), "params.max_new_tokens"),
+    "max_new_tokens float": (base(type="generate", params={"max_new_tokens": 2.0}), "params.max_new_tokens"),
+    "max_new_tokens str": (base(type="generate", params={"max_new_tokens": "8"}), "params.max_new_tokens"),
+    "max_new_tokens bool": (base(type="generate", params={"max_new_tokens": True}), "params.max_new_tokens"),
+    "max_new_tokens too big": (base(type="generate", params={"max_new_tokens": 10**9}), "params.max_new_tokens"),
+    "want_digest int": (base(want_digest=1), "want_digest"),
+    "want_digest str": (base(want_digest="yes"), "want_digest"),
+    "session_id int": (base(session_id=5), "session_id"),
+    "session_id empty": (base(session_id=""), "session_id"),
+    "mm_items map": (base(mm_items={"modality": "image"}), "mm_items"),
+    "mm_items str": (base(mm_items="x"), "mm_items"),
+    "item not a map": (base(mm_items=[["shm"]]), "mm_items[0]"),
+    "item int": (base(mm_items=[base()["mm_items"][0], 5]), "mm_items[1]"),
+    # item fields (item 1 is inline, item 0 shm: the index must be the failing item's)
+    "transport missing": (without_item_key(1, "transport"), "mm_items[1].transport"),
+    "transport unknown": (with_item(1, transport="tcp"), "mm_items[1].transport"),
+    "transport list": (with_item(1, transport=["shm"]), "mm_items[1].transport"),
+    "modality missing": (without_item_key(0, "modality"), "mm_items[0].modality"),
+    "modality unknown": (with_item(0, modality="smell"), "mm_items[0].modality"),
+    "modality map": (with_item(0, modality={"a": 1}), "mm_items[0].modality"),
+    "dtype missing": (without_item_key(1, "dtype"), "mm_items[1].dtype"),
+    "dtype unknown": (with_item(1, dtype="complex64"), "mm_items[1].dtype"),
+    "dtype torch style": (with_item(1, dtype="torch.float32"), "mm_items[1].dtype"),
+    "dtype list": (with_item(1, dtype=["float32"]), "mm_items[1].dtype"),
+    "shape missing": (without_item_key(0, "shape"), "mm_items[0].shape"),
+    "shape 0 dims": (with_item(0, shape=[]), "mm_items[0].shape"),
+    "shape 9 dims": (with_item(0, shape=[1] * 9), "mm_items[0].shape"),
+    "shape negative": (with_item(0, shape=[2, -3]), "mm_items[0].shape"),
+    "shape float": (with_item(0, shape=[2, 3.0]), "mm_items[0].shape"),
+    "shape str dim": (with_item(0, shape=[2, "3"]), "mm_items[0].shape"),
+    "shape bool dim": (with_item(0, shape=[True, 3]), "mm_items[0].shape"),
+    "shape int": (with_item(0, shape=6), "mm_items[0].shape"),
+    "shape too many bytes": (with_item(0, shape=[2**40, 2**40]), "mm_items[0].shape"),
+    "shm_name missing": (without_item_key(0, "shm_name"), "mm_items[0].shm_name"),
+    "shm_name no prefix": (with_item(0, shm_name="psm_abc"), "mm_items[0].shm_name"),
+    "shm_name leading slash": (with_item(0, shm_name="/" + PREFIX + "abc"), "mm_items[0].shm_name"),
+    "shm_name path": (with_item(0, shm_name=PREFIX + "x/../../etc/passwd"), "mm_items[0].shm_name"),
+    "shm_name dotdot dir": (with_item(0, shm_name=PREFIX + "/.."), "mm_items[0].shm_name"),
+    "shm_name space": (with_item(0, shm_name=PREFIX + "a b"), "mm_items[0].shm_name"),
+    "shm_name unicode": (with_item(0, shm_name=PREFIX + "é"), "mm_items[0].shm_name"),
+    "shm_name 201 chars": (with_item(0, shm_name=PREFIX + "a" * (201 - len(PREFIX))), "mm_items[0].shm_name"),
+    "shm_name bin": (with_item(0, shm_name=(PREFIX + "abc").encode()), "mm_items[0].shm_name"),
+    "offset negative": (with_item(0, offset=-1), "mm_items[0].offset"),
+    "offset float": (with_item(0, offset=1.0), "mm_items[0].offset"),
+    "offset bool": (with_item(0, offset=True), "mm_items[0].offset"),
+    "pooled int": (with_item(0, pooled=1), "mm_items[0].pooled"),
+    "pooled str": (with_item(0, pooled="true"), "mm_items[0].pooled"),
+    "frame missing": (without_item_key(1, "frame"), "mm_items[1].frame"),
+    "frame 0": (with_item(1, frame=0), "mm_items[1].frame"),
+    "frame out of range": (with_item(1, frame=2), "mm_items[1].frame"),
+    "frame negative": (with_item(1, frame=-1), "mm_items[1].frame"),
+    "frame str": (with_item(1, frame="1"), "mm_items[1].frame"),
+    "frame bool": (with_item(1, frame=True), "mm_items[1].frame"),
+    "frame wrong length": (with_item(1, shape=[2, 4]), "mm_items[1].frame"),
+    "session ref missing": (base(mm_items=[{"transport": "session", "modality": "image"}]), "mm_items[0].ref"),
+    "session ref int": (base(mm_items=[{"transport": "session", "ref": 3}]), "mm_items[0].ref"),
+    "item id int": (with_item(0, id=3), "mm_items[0].id"),
+    "cuda_ipc without ipc": (base(mm_items=[{"modality": "image", "transport": "cuda_ipc", "dtype": "uint8",
+                                             "shape": [4]}]), "mm_items[0].ipc"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_field_is_named(case):
+    header, field = CASES[case]
+    exc = bad(header)
+    assert exc.field == field, str(exc)
+    assert str(exc).startswith(field + ":")
+    # the rid travels with the 400 whenever it is readable
+    rid = header.get("rid")
+    expected_rid = rid if isinstance(rid, str) and 1 <= len(rid) <= 128 else None
+    assert exc.rid == expected_rid
+
+
+def test_over_max_input_len():
+    limits = Limits(max_input_len=4)
+    assert decode(frames_of(base(input_ids=[1, 2, 3, 4])), limits).input_ids.size == 4
+    exc = bad(base(input_ids=[1, 2, 3, 4, 5]), limits=limits)
+    assert exc.field == "input_ids" and exc.rid == "r-1"
+    exc = bad(base(input_ids=np.arange(5, dtype="<i4").tobytes()), limits=limits)
+    assert exc.field == "input_ids"
+
+
+def test_frame_wrong_length_either_way():
+    assert bad(base(), bytes(23)).field == "mm_items[1].frame"
+    assert bad(base(), bytes(25)).field == "mm_items[1].frame"
+
+
+def test_too_many_items():
+    limits = Limits(max_items=1)
+    exc = bad(base(), limits=limits)
+    assert exc.field == "mm_items" and exc.rid == "r-1"
+
+
+def test_abort_and_close_session_fields():
+    with pytest.raises(BadRequest) as ei:
+        decode([pack({"v": 1, "type": "abort"})], LIMITS)
+    assert ei.value.field == "rid" and ei.value.rid is None
+    with pytest.raises(BadRequest) as ei:
+        decode([pack({"v": 1, "type": "close_session", "session_id": 4})], LIMITS)
+    assert ei.value.field == "session_id"
+
+
+def test_version_checked_before_anything_else():
+    exc = bad(base(v=2, input_ids="garbage"))
+    assert exc.field == "v" and exc.rid == "r-1"
+
+
+@pytest.mark.parametrize("frame", [
+    b"", b"\xc1", b"\x92\x01", pack([1, 2]), pack("embed"), pack(None), pack(3), b"\x81\xa1v",
+    pack({1: 2}),  # a map with a non-str key is not a header
+], ids=["empty", "never-used-byte", "truncated-array", "array", "str", "nil", "int", "truncated-map",
+        "int-key"])
+def test_unreadable_header(frame):
+    with pytest.raises(BadRequest) as ei:
+        decode([frame], LIMITS)
+    assert ei.value.field == "header"
+    assert ei.value.rid is None
+
+
+def test_trailing_bytes_after_header_are_unreadable():
+    with pytest.raises(BadRequest) as ei:
+        decode([pack(base()) + b"\x00"], LIMITS)
+    assert ei.value.field == "header" and ei.value.rid is None
+
+
+def test_decode_does_not_mutate_header_copy():
+    h = base()
+    snapshot = copy.deepcopy(h)
+    decode(frames_of(h), LIMITS)
+    assert h == snapshot
+
+
+# ---------------------------------------------------------------- owned_segments / valid_shm_name
+
+def test_owned_segments_from_a_malformed_header():
+    good = PREFIX + "owned_1"
+    header = {
+        "v": 2, "rid": 12, "input_ids": "nope",
+        "mm_items": [
+            {"transport": "shm", "shm_name": good, "dtype": "complex", "shape": -1},
+            {"transport": "shm", "shm_name": good},  # named twice: listed once
+            {"transport": "shm", "shm_name": PREFIX + "pooled", "pooled": True},
+            {"transport": "shm", "shm_name": PREFIX + "pooled_junk", "pooled": "yes"},
+            {"transport": "shm", "shm_name": "psm_other"},
+            {"transport": "shm", "shm_name": "/" + PREFIX + "slash"},
+            {"transport": "shm", "shm_name": PREFIX + "../../etc/passwd"},
+            {"transport": "shm", "shm_name": PREFIX + "x" * 200},
+            {"transport": "shm", "shm_name": 5},
+            {"transport": "shm"},
+            {"transport": "inline", "shm_name": PREFIX + "inline_named"},
+            {"shm_name": PREFIX + "no_transport"},
+            "not a map",
+            None,
+            {"transport": "shm", "shm_name": PREFIX + "owned_2", "pooled": False, "offset": -5},
+        ],
+    }
+    assert owned_segments(header, PREFIX) == [good, PREFIX + "owned_2"]
+    with pytest.raises(BadRequest):
+        decode([pack(header)], LIMITS)
+
+
+@pytest.mark.parametrize("header", [None, [], "x", 5, {}, {"mm_items": None}, {"mm_items": {"a": 1}},
+                                    {"mm_items": "mmsched_x"}])
+def test_owned_segments_of_nothing(header):
+    assert owned_segments(header, PREFIX) == []
+
+
+def test_owned_segments_respects_configured_prefix():
+    header = {"mm_items": [{"transport": "shm", "shm_name": "mmsched_a"},
+                           {"transport": "shm", "shm_name": "custom_b"}]}
+    assert owned_segments(header, "custom_") == ["custom_b"]
+    assert owned_segments(header, PREFIX) == ["mmsched_a"]
+
+
+@pytest.mark.parametrize("name,ok", [
+    (PREFIX + "abc", True),
+    (PREFIX + "A-Z.0_9", True),
+    (PREFIX, True),
+    (PREFIX + "a" * (200 - len(PREFIX)), True),
+    (PREFIX + "a" * (201 - len(PREFIX)), False),
+    ("abc", False),
+    ("MMSCHED_abc", False),
+    ("/" + PREFIX + "abc", False),
+    (PREFIX + "a/b", False),
+    (PREFIX + "..", True),   # no slash: a plain file name in /dev/shm, not a path
+    (PREFIX + "/..", False),
+    (PREFIX + "a\x00b", False),
+    (PREFIX + "a\nb", False),
+    (PREFIX + "ä", False),
+    (b"mmsched_abc", False),
+    (None, False),
+    (5, False),
+])
+def test_valid_shm_name(name, ok):
+    assert valid_shm_name(name, PREFIX) is ok
