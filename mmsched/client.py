@@ -111,6 +111,7 @@ class Client:
         self.address, self.shm_prefix, self.timeout = address, shm_prefix, timeout
         self.ipc_pool, self.shm_pool = ipc_pool, shm_pool
         self._slices: dict[str, list[tuple[int, int]]] = {}  # rid -> ShmPool slices, freed on its result
+        self._locked: dict[str, list[Segment]] = {}  # rid -> sent segments whose lock we keep until its result
         self._leases: dict[str, list] = {}  # rid -> pool leases, forgotten on a 400
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
@@ -144,6 +145,10 @@ class Client:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        for segs in self._locked.values():
+            for seg in segs:
+                seg.sent()
+        self._locked.clear()
         for fut in list(self._results.values()) + list(self._pongs):
             if not fut.done():
                 fut.cancel()
@@ -199,12 +204,12 @@ class Client:
             for off, n in slices:
                 self.shm_pool.free(off, n)
             raise
+        if segments:  # keep our shared lock until the result: no window for an orphan sweep
+            self._locked[rid] = segments
         if leases:
             self._leases[rid] = leases
         if slices:
             self._slices[rid] = slices
-        for s in segments:
-            s.sent()  # ownership passed to mmsched
         return fut
 
     def _item(self, f: Feature, frames: list, segments: list[Segment], leases: list,
@@ -295,6 +300,8 @@ class Client:
             if kind == "result":
                 res = Result.from_header(h)
                 fut = self._results.pop(res.rid, None) if res.rid is not None else None
+                for seg in self._locked.pop(res.rid, ()) if res.rid is not None else ():
+                    seg.sent()
                 for off, n in self._slices.pop(res.rid, ()) if res.rid is not None else ():
                     self.shm_pool.free(off, n)  # every rank has finished reading it (guarantee 5)
                 leases = self._leases.pop(res.rid, None) if res.rid is not None else None

@@ -159,8 +159,10 @@ def drop(fds: list[int]) -> None:
 class Segment:
     """A segment this process created, locked (shared flock) until it is sent.
 
-    After ``sent()`` ownership has passed to mmsched (contract guarantee 4); a segment
-    that was never sent is removed with ``discard()``.
+    Ownership passes to mmsched when the request is sent (contract guarantee 4); the
+    client library keeps the lock until the request's result arrives and then calls
+    ``sent()``, so no orphan sweep can take a segment in flight. A segment that was never
+    sent is removed with ``discard()``.
     """
 
     __slots__ = ("name", "nbytes", "_fd")
