@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install serve test bench soak clean
+.PHONY: install serve test loadtest bench soak clean
 
 install: $(STAMP)
 
@@ -15,14 +15,19 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 serve: install
-	$(BIN)/mmsched serve $(ARGS)
+	$(BIN)/mmsched serve --config configs/default.toml $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)
 
+# Load a local `make serve` (frontend and shm_prefix from the same config); e.g. ARGS="--rate 2000 --duration 10"
+loadtest: install
+	$(BIN)/mmsched loadtest --config configs/default.toml $(ARGS)
+
+# Every figure a ratio against a ceiling measured in the same run (bench/run.py); ~4-6 min.
 bench: install
-	$(BIN)/python -m pytest -q -m slow tests/bench_smoke.py $(ARGS) 2>/dev/null || true
-	$(BIN)/python bench/consensus.py
+	$(BIN)/python bench/run.py $(ARGS)
+	$(BIN)/python bench/remote.py
 
 soak: install
 	$(BIN)/python -m pytest -q -m slow $(ARGS)
