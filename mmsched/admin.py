@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from .errors import ConfigError
 from .log import event
 
 _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
@@ -27,7 +28,10 @@ class AdminServer:
 
     async def start(self) -> None:
         host, port = parse_address(self.address)
-        self._server = await asyncio.start_server(self._handle, host, port, limit=8192)
+        try:
+            self._server = await asyncio.start_server(self._handle, host, port, limit=8192)
+        except OSError as exc:
+            raise ConfigError(f"admin: cannot listen on {host}:{port}: {exc.strerror}") from exc
         event("admin_listening", address=f"http://{host}:{port}")
 
     async def close(self) -> None:

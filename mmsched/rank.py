@@ -18,7 +18,7 @@ import zmq.asyncio
 from . import protocol
 from .batch import Batch, BatchRunner
 from .config import Config
-from .errors import BadRequest, GroupBroken, describe
+from .errors import BadRequest, ConfigError, GroupBroken, describe
 from .admin import AdminServer
 from .auth import restrict_ipc, secure_frontend
 from .lane import Lane
@@ -106,7 +106,11 @@ class Leader:
         self.sock.setsockopt(zmq.SNDHWM, cfg.zmq_hwm)
         self.sock.setsockopt(zmq.RCVHWM, cfg.zmq_hwm)
         self._auth = secure_frontend(self.ctx, self.sock, cfg)
-        self.sock.bind(cfg.frontend)
+        try:
+            self.sock.bind(cfg.frontend)
+        except zmq.ZMQError as exc:
+            self.sock.close(linger=0)
+            raise ConfigError(f"frontend: cannot bind {cfg.frontend}: {exc}") from exc
         restrict_ipc(cfg.frontend, int(cfg.ipc_mode, 8))
         self._raw = zmq.Socket.shadow(self.sock.underlying)  # sync view for NOBLOCK drains and sends
 

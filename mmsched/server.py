@@ -24,7 +24,7 @@ from . import log
 from .batch import BatchRunner
 from .config import Config
 from .engine import ReferenceEngine
-from .errors import GroupBroken, describe
+from .errors import ConfigError, GroupBroken, describe
 from .faults import Faults
 from .group import GlooGroup, SoloGroup
 from .lane import Lane
@@ -58,7 +58,11 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     engine = ReferenceEngine(rank, world, seed=cfg.seed, stall_s=cfg.stall_s)
     runner = BatchRunner(group, engine, Faults(cfg.faults, rank), unlinks=(rank == 0),
                          sessions=SessionStore(cfg.session_max_bytes), topology=topology)
-    code = _run_loop(cfg, runner, lane, rank, world)
+    try:
+        code = _run_loop(cfg, runner, lane, rank, world)
+    except ConfigError as exc:  # found only when binding: a port in use, a socket path not writable
+        event("config_error", logging.ERROR, error=str(exc))
+        code = 2
     if code != 0:
         logging.shutdown()
         os._exit(code)  # a lane thread may be stuck inside gloo: do not wait for it
