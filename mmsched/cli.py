@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import config as config_mod
@@ -72,21 +73,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from .auth import check_frontend
 
+    placed = _env_rank()
     try:
-        check_frontend(cfg)
+        if placed is None or placed[0] == 0:  # only the leader binds the frontend
+            check_frontend(cfg)
     except ConfigError as exc:
         print(f"mmsched: config error: {exc}", file=sys.stderr)
         return 2
-    from .group import env_rank  # imports torch: only once the config is known good
-    from .server import launch_group, run_rank
+    from .server import launch_group, run_rank  # imports torch: only once the config is known good
 
-    placed = env_rank()
     if placed is not None:
         rank, world = placed
         return run_rank(cfg, rank, world)
     if cfg.tp == 1:
         return run_rank(cfg, 0, 1)
     return launch_group(cfg, argv)
+
+
+def _env_rank() -> tuple[int, int] | None:
+    """(rank, world) when launched by torchrun or by ``mmsched serve --tp N``."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
 
 
 def _sweep(args: argparse.Namespace) -> int:

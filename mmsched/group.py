@@ -7,7 +7,6 @@ process group. Every method is a collective and runs on the lane thread only.
 from __future__ import annotations
 
 import datetime
-import os
 from typing import Any
 
 import torch
@@ -82,10 +81,3 @@ class GlooGroup:
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on the older releases the range admits.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def env_rank() -> tuple[int, int] | None:
-    """(rank, world) when launched by torchrun or by ``mmsched serve --tp N``."""
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None

@@ -25,6 +25,11 @@ from .protocol import Item
 from .transport import typed
 
 HOST_BOUND = ("shm", "cuda_ipc")  # transports that only reach ranks on the client's host
+ALIGN = 8  # forwarded items start at multiples of this in the shipped buffer (the widest dtype)
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def host_id() -> str:
@@ -112,7 +117,10 @@ class ForwardedFeature:
         if self.error is not None:
             raise self.error
         self._faults.check("materialize", self.rid)
-        return typed(self._raw, self.item)
+        # A view into the batch's one received buffer; a feature a session may keep gets its own
+        # memory, or it would pin every forwarded byte of its batch past the session's bound.
+        raw = self._raw.clone() if self.item.id is not None else self._raw
+        return typed(raw, self.item)
 
     def release(self, unlink: bool) -> bool:
         self._raw = None
@@ -125,18 +133,24 @@ def host_bound(reqs) -> list[tuple[int, int]]:
 
 
 def ship(topo: Topology, keys: list[tuple[int, int]], tensors, errors: dict[int, str]) -> int:
-    """Leader: send each remote host the bytes of ``keys`` (or why not); returns bytes sent."""
+    """Leader: send each remote host the bytes of ``keys`` (or why not); returns feature bytes sent.
+
+    Items lie back to back in one buffer, each padded to ``ALIGN`` bytes so that a remote
+    rank can view its slice as any dtype."""
     import torch.distributed as dist
 
-    header, parts = [], []
+    header, parts, sent = [], [], 0
     for i, j in keys:
         t = tensors[i][j] if i not in errors and tensors[i] else None
         if t is None:
             header.append(errors.get(i, "aborted before it was read"))
         else:
-            raw = t.reshape(-1).view(torch.uint8)
+            raw = t.reshape(-1).view(torch.uint8).cpu()  # a CUDA device's copy travels from host memory
             header.append(raw.numel())
             parts.append(raw)
+            sent += raw.numel()
+            if _padded(raw.numel()) > raw.numel():
+                parts.append(torch.zeros(_padded(raw.numel()) - raw.numel(), dtype=torch.uint8))
     head = torch.frombuffer(bytearray(msgpack.packb(header)), dtype=torch.uint8)
     flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
     sizes = torch.tensor([head.numel(), flat.numel()], dtype=torch.int64)
@@ -146,7 +160,7 @@ def ship(topo: Topology, keys: list[tuple[int, int]], tensors, errors: dict[int,
         dist.send(head, dst)
         if flat.numel():
             dist.send(flat, dst)
-    return flat.numel() * len(topo.remote_hosts)
+    return sent * len(topo.remote_hosts)
 
 
 def receive(topo: Topology) -> tuple[list, torch.Tensor]:
@@ -178,6 +192,6 @@ def fill(opened, keys: list[tuple[int, int]], header: list, flat: torch.Tensor) 
     for (i, j), entry in zip(keys, header):
         if isinstance(entry, int):
             opened[i][j].receive(flat[pos: pos + entry], None)
-            pos += entry
+            pos += _padded(entry)
         else:
             opened[i][j].receive(None, entry)
