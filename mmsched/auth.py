@@ -79,6 +79,9 @@ def secure_client(sock: zmq.Socket, server_key: str | bytes, client_cert: str) -
 
 
 def restrict_ipc(address: str, mode: int) -> None:
-    """Give an ipc:// socket file its configured mode (default 0660)."""
-    if address.startswith("ipc://"):
+    """Give an ipc:// socket file its configured mode (default 0660).
+
+    A Linux abstract socket (``ipc://@name``) has no file and so no mode: like loopback
+    tcp, any local process may connect to it."""
+    if address.startswith("ipc://") and not address.startswith("ipc://@"):
         os.chmod(address[len("ipc://"):], mode)

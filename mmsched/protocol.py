@@ -26,6 +26,7 @@ ITEMSIZE = {
     "int8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
 }
 REQUEST_TYPES = frozenset({"generate", "embed"})
+MAX_PARAMS_DEPTH = 32  # msgpack refuses to pack past ~1000 levels: a deep params map must not reach the ranks
 
 # result statuses and their err_type
 OK, BAD_REQUEST, ABORTED, INTERNAL, UNAVAILABLE = 200, 400, 499, 500, 503
@@ -194,6 +195,17 @@ def unpack_header(frame: Any) -> dict:
     return header
 
 
+def unpack_lenient(frame: Any) -> Any:
+    """Frame 0 as leniently as MessagePack allows (any map keys, bad UTF-8 replaced), or None.
+
+    Only to find the segments a rejected message names: a header that breaks the contract
+    (an int key deep inside, a string that is not UTF-8) still passed their ownership."""
+    try:
+        return msgpack.unpackb(frame, raw=False, strict_map_key=False, unicode_errors="replace")
+    except Exception:  # msgpack raises several unrelated types
+        return None
+
+
 def readable_rid(header: Any) -> str | None:
     """The rid a 400 may carry: only a well-formed one."""
     rid = header.get("rid") if isinstance(header, dict) else None
@@ -265,6 +277,8 @@ def _request(h: dict, typ: str, frames: Sequence[Any], limits: Limits) -> Reques
         params = {}
     if not isinstance(params, dict):
         raise BadRequest("params", "must be a map")
+    if _too_deep(params, MAX_PARAMS_DEPTH):  # params are re-packed into the batch every rank receives
+        raise BadRequest("params", f"nested deeper than {MAX_PARAMS_DEPTH} levels")
     mnt = params.get("max_new_tokens", limits.default_max_new_tokens)
     if not _is_int(mnt) or not 1 <= mnt <= limits.max_new_tokens:
         raise BadRequest("params.max_new_tokens", f"must be an int in 1..{limits.max_new_tokens} (max_new_tokens)")
@@ -393,6 +407,20 @@ def _input_ids(v: Any, limits: Limits) -> np.ndarray:
     if arr.min() < 0 or arr.max() >= 2**31:
         raise BadRequest(f, "each id must satisfy 0 <= id < 2^31")
     return arr.astype("<i4", copy=False)
+
+
+def _too_deep(v: Any, limit: int) -> bool:
+    """Do arrays and maps nest deeper than ``limit`` in ``v``? (Iterative: no recursion limit.)"""
+    stack = [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        children = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else None
+        if children is None:
+            continue
+        if d > limit:
+            return True
+        stack.extend((c, d + 1) for c in children)
+    return False
 
 
 def _one_of(v: Any, choices) -> bool:

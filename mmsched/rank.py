@@ -188,7 +188,7 @@ class Leader:
         try:
             header = protocol.unpack_header(header_frame)
         except BadRequest:
-            header = None
+            header = protocol.unpack_lenient(header_frame)
         for name in protocol.owned_segments(header, self.limits.shm_prefix):
             self.unlinked_at_leader += unlink_segment(name, exc.rid, quiet_if_missing=True)
         event("bad_request", rid=exc.rid, field=exc.field, error=str(exc))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 
@@ -55,13 +56,19 @@ def sweep(prefix: str, grace_s: float, in_flight: frozenset[str] | set[str] = fr
             except BlockingIOError:
                 report.locked.append(name)
                 continue
-            if time.time() - os.fstat(fd).st_mtime < grace_s:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                continue  # a directory or FIFO with the prefix is nobody's segment: never ours to take
+            if time.time() - st.st_mtime < grace_s:
                 report.young.append(name)
                 continue
             if not dry_run:
                 try:
                     os.unlink(shm_path(name))
                 except FileNotFoundError:
+                    continue
+                except OSError as exc:  # one entry must not end the sweep (nor the server's sweeper)
+                    event("sweep_unlink_failed", logging.WARNING, shm=name, error=str(exc))
                     continue
             report.reclaimed.append(name)
         finally:

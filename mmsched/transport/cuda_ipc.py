@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -76,8 +77,12 @@ class ShmDevice:
 
     def attach(self, handle):
         name = handle.decode()
-        fd = os.open(shm_path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        return (fd, name, os.fstat(fd).st_size)
+        fd = os.open(shm_path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO never blocks
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise FeatureError(f"pool {name} is not a regular shared-memory segment")
+        return (fd, name, st.st_size)
 
     def copy_out(self, pool, offset, nbytes):
         fd, name, size = pool
@@ -172,6 +177,8 @@ class AckBoard:
         return cls(name, 0, 0, os.open(shm_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW))
 
     def ack(self, slot: int, rank: int, ranks: int, generation: int) -> None:
+        if not 0 <= rank < ranks:  # it would land in another slot's cell and free an unread lease
+            raise FeatureError(f"ack board {self.name} has {ranks} rank columns; no cell for rank {rank}")
         pos = (slot * ranks + rank) * 8
         if pos + 8 > os.fstat(self._fd).st_size:
             raise FeatureError(f"ack board {self.name} has no cell for slot {slot}, rank {rank}")

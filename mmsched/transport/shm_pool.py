@@ -14,17 +14,19 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import stat
 import threading
 from collections import OrderedDict
 
 import numpy as np
 import torch
 
+from ..errors import FeatureError
 from ..faults import Faults
 from ..log import event
 from ..protocol import Item
 from . import typed
-from .shm import SegmentTooSmall, create_segment, shm_path, tensor_bytes
+from .shm import SegmentTooSmall, create_segment, read_into, shm_path, tensor_bytes
 
 
 class _Mapped:
@@ -32,9 +34,12 @@ class _Mapped:
 
     def __init__(self, name: str):
         self.name = name
-        self.fd = os.open(shm_path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        # O_NONBLOCK: a FIFO under a pool's name must fail the request, not block the rank
+        self.fd = os.open(shm_path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         try:
             st = os.fstat(self.fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FeatureError(f"pool {name} is not a regular shared-memory segment")
             self.inode, self.size = st.st_ino, st.st_size
             if self.size == 0:
                 raise SegmentTooSmall(f"pool {name} is empty")
@@ -103,7 +108,10 @@ POOLS = PoolCache()
 
 
 class PooledFeature:
-    """A slice of a client's pool: copied out of the cached mapping, nothing to unlink."""
+    """A slice of a client's pool, read (pread) through the cached descriptor; nothing to unlink.
+
+    Never copied out of the mapping itself: the owner may truncate its pool at any time, and
+    touching a mapping past the end of its file is a SIGBUS that would take the rank down."""
 
     __slots__ = ("item", "rid", "error", "_faults", "_pool")
 
@@ -125,7 +133,10 @@ class PooledFeature:
         if os.fstat(self._pool.fd).st_size < self._pool.size:  # shrunk by its owner: refuse, don't SIGBUS
             raise SegmentTooSmall(f"pool {self.item.shm_name} shrank below {self._pool.size} bytes")
         raw = torch.empty(self.item.nbytes, dtype=torch.uint8)
-        raw.numpy()[:] = self._pool.view[self.item.offset: self.item.offset + self.item.nbytes]
+        # pread, never a copy out of the mapping: the owner may truncate its pool at any moment
+        # (even after the check above), and touching a mapping past the file's end is a SIGBUS
+        # that kills the rank; a short read is a SegmentTooSmall for this request only.
+        read_into(self._pool.fd, raw.numpy(), self.item.offset, self.item.shm_name)
         return typed(raw, self.item)
 
     def release(self, unlink: bool) -> bool:
