@@ -329,14 +329,17 @@ class CudaIpcFeature:
             self._pool = ATTACHED.pool(item.ipc["device"], item.ipc["handle"])
         except Exception as exc:
             self.error = exc
+            self._ack()  # this rank will never read it: say so now, not at release
 
     def materialize(self) -> torch.Tensor:
         if self.error is not None:
             raise self.error
         self._faults.check("materialize", self.rid)
         dev, pool = self._pool
-        raw = dev.copy_out(pool, self.item.ipc["offset"], self.item.nbytes)
-        self._ack()  # the slice is ours now: the producer may reuse it once every rank says so
+        try:
+            raw = dev.copy_out(pool, self.item.ipc["offset"], self.item.nbytes)
+        finally:
+            self._ack()  # copied (or failed for good): the producer may reuse it once every rank says so
         return typed(raw, self.item)
 
     def _ack(self) -> None:

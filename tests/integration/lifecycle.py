@@ -1,0 +1,115 @@
+"""Helpers shared by the lifecycle tests (sessions, aborts, cuda_ipc, sweep, soak).
+
+Kept out of conftest.py on purpose: plain functions, imported where used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import time
+
+import torch
+
+from mmsched.client import Client, Result
+
+from ..conftest import Server
+
+SHM_DIR = "/dev/shm"
+
+
+def my_segments(prefix: str = "mmsched_") -> set[str]:
+    """Segments this test process created (``create_segment`` names carry the creator's pid)."""
+    mine = f"{prefix}{os.getpid()}_"
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(mine)}
+
+
+def sha256_of(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def feature(seed: int, shape=(8, 32), dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def wait_until(cond, timeout: float, what: str, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        time.sleep(step)
+
+
+async def no_extra_results(c: Client) -> None:
+    """Every reply travels one pipe in order: once the pong is here, a second result for
+    a request already answered would have arrived (and be in ``unrouted``)."""
+    await c.ping(timeout=20)
+    assert c.unrouted == [], [(r.rid, r.status, r.message) for r in c.unrouted]
+
+
+async def hold_lane(c: Client, rid: str, settle: float = 0.5) -> asyncio.Future:
+    """Send ``rid`` (which the server stalls on a rank) and give the leader time to put it on
+    the lane: what is sent next waits at the leader, in the queue, until it finishes."""
+    fut = c.send_request("embed", [7], [], rid=rid)
+    await asyncio.sleep(settle)
+    assert not fut.done(), "the lane-holding request finished before the test could queue behind it"
+    return fut
+
+
+def rank_pids(srv: Server, timeout: float = 10.0) -> list[int]:
+    """The rank pids the launcher logged (``launched ranks=2 pids=P0,P1``)."""
+    m = wait_until(lambda: re.search(r"launched ranks=\d+ pids=([\d,]+)", srv.logs()), timeout,
+                   "a 'launched' line in the server log")
+    return [int(p) for p in m.group(1).split(",")]
+
+
+@contextlib.contextmanager
+def running_group(tmp_dir: str, *args: str, ready_timeout: float = 90.0):
+    """A ready ``mmsched serve`` for a module's tests; always reaped, even if a test broke it."""
+    srv = Server(*args, tmp_dir=tmp_dir)
+    try:
+        srv.wait_ready(timeout=ready_timeout)
+        yield srv
+    finally:
+        try:
+            if srv.proc.poll() is None:
+                srv.stop(timeout=30)
+        except Exception:  # noqa: BLE001 - the kill below reaps it
+            pass
+        srv.kill_all()
+
+
+def expect(r: Result, status: int, *, err_type: str | None = None) -> Result:
+    assert r.status == status, (r.rid, r.status, r.message, r.meta)
+    if err_type is not None:
+        assert r.err_type == err_type, r
+    return r
+
+
+@contextlib.contextmanager
+def captured(logger: str = "mmsched.client", level: int = logging.WARNING):
+    """The messages ``logger`` emits inside the block, whatever its propagation is set to."""
+    messages: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    lg, handler = logging.getLogger(logger), _Keep(level)
+    old_level = lg.level
+    lg.addHandler(handler)
+    if lg.getEffectiveLevel() > level:
+        lg.setLevel(level)
+    try:
+        yield messages
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(old_level)

@@ -1,0 +1,240 @@
+"""Sessions at tp = 2: a feature kept by one turn is used by later turns; failed and aborted
+turns neither lose what the session holds nor store what they brought; close_session, the
+idle timeout and the memory bound release or refuse features on every rank alike.
+
+Two groups: one shared by every test (distinct session ids, rid globs per test), and one
+with a 1 s idle timeout for the expiry test only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import torch
+
+from mmsched.client import Client, inline, ref, shm
+
+from .lifecycle import (expect, feature, hold_lane, my_segments, no_extra_results, running_group,
+                        sha256_of)
+
+MAX_BYTES = 64 * 1024  # --session-max-bytes: all sessions together
+STALL_S = 2
+
+ARGS = (
+    "--tp", "2",
+    "--session-max-bytes", str(MAX_BYTES),
+    "--fault", "1:open:sfail-*",      # a turn that fails on rank 1 (open stage)
+    "--fault", "1:stall:shold-*",     # holds the lane: later turns wait queued at the leader
+    "--fault", "0:hold:smat-*",       # the leader is slow while materializing: abort lands there
+    "--stall-s", str(STALL_S),
+)
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    with running_group(str(tmp_path_factory.mktemp("sessions")), *ARGS) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def idle_group(tmp_path_factory):
+    with running_group(str(tmp_path_factory.mktemp("idle")), "--tp", "2",
+                       "--session-idle-timeout", "1") as srv:
+        yield srv
+
+
+def sid() -> str:
+    return f"sess-{uuid.uuid4().hex[:10]}"
+
+
+async def turn(c: Client, session_id: str | None, features, ids=(1, 2, 3), **kw):
+    return await c.embed(list(ids), features, session_id=session_id, want_digest=True, timeout=30, **kw)
+
+
+# ---------------------------------------------------------------- stored, then referred to
+
+async def test_ref_uses_the_feature_an_earlier_turn_stored(group):
+    s, img, other = sid(), feature(1), feature(2, (4, 4, 3))
+    async with Client(group.addr) as c:
+        first = expect(await turn(c, s, [shm(img, id="img"), inline(other)]), 200)
+        assert first.meta["ranks"] == 2
+        assert first.meta["digests"] == [sha256_of(img), sha256_of(other)]
+        assert my_segments() == set()  # the turn's segment went the usual way: unlinked
+        by_ref = expect(await turn(c, s, [ref("img")], ids=(5, 6)), 200)
+        resent = expect(await turn(c, None, [shm(img)], ids=(5, 6)), 200)
+        # the same feature may be referred to again, and alongside new features
+        again = expect(await turn(c, s, [inline(other), ref("img")], ids=(9,)), 200)
+        await c.close_session(s)
+        await no_extra_results(c)
+    assert by_ref.meta["digests"] == [sha256_of(img)] == resent.meta["digests"]
+    assert torch.equal(by_ref.embedding, resent.embedding)  # the engine saw the very same bytes
+    assert again.meta["digests"] == [sha256_of(other), sha256_of(img)]
+
+
+async def test_a_session_is_private_to_its_id(group):
+    s1, s2 = sid(), sid()
+    async with Client(group.addr) as c:
+        expect(await turn(c, s1, [inline(feature(3), id="x")]), 200)
+        r = expect(await turn(c, s2, [ref("x")]), 400, err_type="BadRequestError")
+        assert "ref" in r.message and "x" in r.message, r.message
+        expect(await turn(c, s1, [ref("x")]), 200)
+        await c.close_session(s1)
+        await no_extra_results(c)
+
+
+# ---------------------------------------------------------------- failed and aborted turns
+
+async def test_failed_turn_keeps_old_features_and_stores_none_of_its_own(group):
+    s, a, b = sid(), feature(10), feature(11)
+    tag = uuid.uuid4().hex[:6]
+    async with Client(group.addr) as c:
+        expect(await turn(c, s, [shm(a, id="a")]), 200)
+        bad = await turn(c, s, [ref("a"), shm(b, id="b")], rid=f"sfail-{tag}")
+        expect(bad, 500, err_type="InternalServerError")
+        assert bad.meta["failed_ranks"] == [1], bad.meta
+        assert my_segments() == set()  # the failed turn's segment is unlinked all the same
+        ok = expect(await turn(c, s, [ref("a")]), 200)
+        assert ok.meta["digests"] == [sha256_of(a)]
+        lost = expect(await turn(c, s, [ref("b")]), 400, err_type="BadRequestError")
+        assert "'b'" in lost.message, lost.message
+        await c.close_session(s)
+        await no_extra_results(c)
+
+
+async def test_turn_aborted_while_queued_keeps_old_features_and_stores_none(group):
+    s, a, new = sid(), feature(20), feature(21)
+    tag = uuid.uuid4().hex[:6]
+    async with Client(group.addr) as c:
+        expect(await turn(c, s, [shm(a, id="a")]), 200)
+        hold = await hold_lane(c, f"shold-{tag}")
+        rid = f"sq-{tag}"
+        fut = c.send_request("embed", [4, 5], [ref("a"), shm(new, id="new")], rid=rid,
+                             session_id=s, want_digest=True)
+        await asyncio.sleep(0.1)
+        assert len(my_segments()) == 1  # queued, its segment waiting with it
+        await c.abort(rid)
+        aborted = expect(await c.wait(rid, fut, 30), 499, err_type="RequestAborted")
+        assert aborted.meta.get("stage") == "queued", aborted.meta
+        assert not hold.done(), "the abort was answered only after the lane freed up"
+        expect(await c.wait(f"shold-{tag}", hold, 30), 200)
+        assert my_segments() == set()
+        expect(await turn(c, s, [ref("a")]), 200)
+        expect(await turn(c, s, [ref("new")]), 400)
+        await c.close_session(s)
+        await no_extra_results(c)
+
+
+async def test_turn_aborted_while_materializing_keeps_old_features_and_stores_none(group):
+    s, a, new = sid(), feature(30), feature(31)
+    tag = uuid.uuid4().hex[:6]
+    async with Client(group.addr) as c:
+        expect(await turn(c, s, [shm(a, id="a")]), 200)
+        rid = f"smat-{tag}"  # rank 0 dwells STALL_S s materializing it, before it checks aborts
+        fut = c.send_request("embed", [4, 5], [ref("a"), shm(new, id="new")], rid=rid,
+                             session_id=s, want_digest=True)
+        await asyncio.sleep(0.5)
+        await c.abort(rid)
+        aborted = expect(await c.wait(rid, fut, 30), 499, err_type="RequestAborted")
+        assert aborted.meta.get("stage") == "materialize", aborted.meta
+        assert my_segments() == set()
+        again = expect(await turn(c, s, [ref("a")]), 200)
+        assert again.meta["digests"] == [sha256_of(a)]
+        expect(await turn(c, s, [ref("new")]), 400)
+        await c.close_session(s)
+        await no_extra_results(c)
+
+
+# ---------------------------------------------------------------- close_session
+
+async def test_close_session_acks_then_its_features_are_gone(group):
+    s = sid()
+    async with Client(group.addr) as c:
+        expect(await turn(c, s, [shm(feature(40), id="a"), shm(feature(41), id="b")]), 200)
+        ack = await c.close_session(s, timeout=30)
+        assert ack == {"v": 1, "type": "ack", "op": "close_session", "session_id": s}
+        for fid in ("a", "b"):
+            r = expect(await turn(c, s, [ref(fid)]), 400, err_type="BadRequestError")
+            assert f"'{fid}'" in r.message, r.message
+        # the id may be used again: a fresh, empty session
+        expect(await turn(c, s, [inline(feature(42), id="a")]), 200)
+        expect(await turn(c, s, [ref("a")]), 200)
+        # closing a session nobody opened is acknowledged too
+        other = sid()
+        assert (await c.close_session(other, timeout=30))["session_id"] == other
+        await c.close_session(s)
+        await no_extra_results(c)
+
+
+# ---------------------------------------------------------------- malformed references
+
+async def test_unknown_ref_is_a_400_and_its_segments_are_unlinked(group):
+    s = sid()
+    async with Client(group.addr) as c:
+        expect(await turn(c, s, [inline(feature(50), id="known")]), 200)
+        r = expect(await turn(c, s, [shm(feature(51)), ref("nope")]), 400, err_type="BadRequestError")
+        assert r.rid is not None
+        assert "mm_items[1].ref" in r.message and "nope" in r.message, r.message
+        assert my_segments() == set()  # the 400's segment: ownership passed, mmsched unlinked it
+        expect(await turn(c, s, [ref("known")]), 200)
+        await c.close_session(s)
+        await no_extra_results(c)
+
+
+async def test_ref_without_session_id_is_a_400(group):
+    async with Client(group.addr) as c:
+        r = expect(await turn(c, None, [shm(feature(60)), ref("img")]), 400, err_type="BadRequestError")
+        assert "session_id" in r.message, r.message
+        assert my_segments() == set()
+        await no_extra_results(c)
+
+
+# ---------------------------------------------------------------- the memory bound
+
+async def test_turn_beyond_the_memory_bound_is_a_503_and_earlier_features_survive(group):
+    s, small = sid(), feature(70, (16, 16))  # 1 KiB
+    big = feature(71, (MAX_BYTES // 4 + 16,))  # just past the bound on its own
+    async with Client(group.addr) as c:
+        expect(await turn(c, s, [shm(small, id="small")]), 200)
+        r = expect(await turn(c, s, [ref("small"), shm(big, id="big")]), 503, err_type="ServiceUnavailable")
+        assert "session" in r.message, r.message
+        assert my_segments() == set()
+        ok = expect(await turn(c, s, [ref("small")]), 200)
+        assert ok.meta["digests"] == [sha256_of(small)]
+        expect(await turn(c, s, [ref("big")]), 400)
+        # the same bytes without an id are not kept, so the bound does not apply
+        expect(await turn(c, s, [shm(big)]), 200)
+        await c.close_session(s)
+        await no_extra_results(c)
+
+
+async def test_the_bound_is_shared_by_all_sessions_and_close_frees_it(group):
+    s1, s2 = sid(), sid()
+    half = feature(80, (MAX_BYTES // 8 + 64,))  # a bit over half the bound
+    async with Client(group.addr) as c:
+        expect(await turn(c, s1, [inline(half, id="h")]), 200)
+        expect(await turn(c, s2, [inline(half, id="h")]), 503)  # two halves do not fit
+        await c.close_session(s1, timeout=30)
+        expect(await turn(c, s2, [inline(half, id="h")]), 200)  # now they do
+        expect(await turn(c, s2, [ref("h")]), 200)
+        await c.close_session(s2)
+        await no_extra_results(c)
+
+
+# ---------------------------------------------------------------- the idle timeout
+
+async def test_idle_session_expires_and_a_busy_one_does_not(idle_group):
+    idle, busy = sid(), sid()
+    async with Client(idle_group.addr) as c:
+        expect(await turn(c, idle, [shm(feature(90), id="a")]), 200)
+        expect(await turn(c, busy, [shm(feature(91), id="a")]), 200)
+        expect(await turn(c, idle, [ref("a")]), 200)  # fresh: still there
+        for _ in range(8):  # 2.4 s of use, each gap well under the 1 s timeout
+            await asyncio.sleep(0.3)
+            expect(await turn(c, busy, [ref("a")]), 200)
+        r = expect(await turn(c, idle, [ref("a")]), 400, err_type="BadRequestError")
+        assert "'a'" in r.message, r.message
+        await asyncio.sleep(2.5)
+        expect(await turn(c, busy, [ref("a")]), 400)  # idle in turn: gone
+        await no_extra_results(c)
