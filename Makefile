@@ -24,10 +24,10 @@ test: install
 loadtest: install
 	$(BIN)/mmsched loadtest --config configs/default.toml $(ARGS)
 
-# Every figure a ratio against a ceiling measured in the same run (bench/run.py); ~4-6 min.
+# One table, every figure a ratio against a ceiling measured in the same run (bench/run.py runs
+# bench/consensus.py and bench/remote.py too); writes bench/results.json; ~3-6 min.
 bench: install
 	$(BIN)/python bench/run.py $(ARGS)
-	$(BIN)/python bench/remote.py
 
 # 50,000 structure-aware malformed messages against a tp=2 group, figures printed (~2-3 min).
 # MMSCHED_FUZZ_MESSAGES=N and MMSCHED_FUZZ_SEED=S change the count and the seed.

@@ -130,6 +130,7 @@ class BatchRunner:
         verdict = consensus.agree(self.group, flags, errors, extra=prefixes)
         stats.consensus_s = time.perf_counter() - t0
         mismatch = (verdict.extra[:, :, 0] != verdict.extra[0:1, :, 0]).numpy()
+        mismatched = mismatch.any(axis=0).tolist()  # per request, once per batch
         # 4. release: every rank closes, the leader unlinks each owned segment once
         stats.opened = sum(len(f) for f in opened)
         seen: set[str] = set()
@@ -146,7 +147,7 @@ class BatchRunner:
         # 5. engine step on what survived everywhere (its own collective agrees late aborts)
         out: list[dict | None] = [None] * n
         refused = self._session_overflow(reqs, tensors, [i for i in range(n) if verdict.ok(i)])
-        live = [i for i in range(n) if verdict.ok(i) and not mismatch[:, i].any() and i not in refused]
+        live = [i for i in range(n) if verdict.ok(i) and not mismatched[i] and i not in refused]
         slot = {i: j for j, i in enumerate(live)}
         if live:
             eflags = np.array([consensus.ABORTED if self.is_aborted(reqs[i]) else 0 for i in live], dtype=np.int64)
@@ -166,7 +167,7 @@ class BatchRunner:
                                       meta={"failed_ranks": ranks, "stage": "materialize"}))
             elif i in refused:
                 results.append(result(req.rid, UNAVAILABLE, refused[i]))
-            elif mismatch[:, i].any():
+            elif mismatched[i]:
                 ranks = [int(r) for r in np.flatnonzero(mismatch[:, i])]
                 results.append(result(req.rid, INTERNAL, "Multimodal feature reconstruction failed ("
                                       + "; ".join(f"rank {r}: DigestMismatch: bytes differ from rank 0's"

@@ -289,8 +289,14 @@ class Client:
     async def _read(self) -> None:
         import msgpack
 
+        raw = zmq.Socket.shadow(self._sock.underlying)  # sync view: drain replies without a future each
+        burst: deque[list] = deque()
         while True:
-            frames = await self._sock.recv_multipart()
+            if not burst:  # wait until readable, then take everything there is (up to 256)
+                await self._sock.poll(flags=zmq.POLLIN)
+                burst.extend(_drain(raw, 256))
+                continue
+            frames = burst.popleft()
             try:
                 h = msgpack.unpackb(frames[0], raw=False)
             except Exception:
@@ -327,6 +333,17 @@ class Client:
 
     def __repr__(self) -> str:
         return f"<Client {self.address} pending={len(self._results)}>"
+
+
+def _drain(sock: zmq.Socket, limit: int) -> list[list]:
+    """Up to ``limit`` waiting messages, without blocking (until EAGAIN re-arms the socket's edge)."""
+    out = []
+    for _ in range(limit):
+        try:
+            out.append(sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            break
+    return out
 
 
 def _ids_bin(ids) -> bytes:

@@ -8,7 +8,7 @@ same all-gather (the engine's shards, digest prefixes), so agreeing costs nothin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,12 +21,18 @@ class Verdict:
     flags: np.ndarray                    # [world, n]
     errors: list[dict[int, str]] | None  # per rank: request index -> "Type: message"
     extra: torch.Tensor | None           # [world, n, k], gathered alongside
+    _ok: list = field(init=False, repr=False)       # per request, computed once per batch
+    _aborted: list = field(init=False, repr=False)  # (not one numpy call per request and question)
+
+    def __post_init__(self) -> None:
+        self._ok = (~self.flags.any(axis=0)).tolist()
+        self._aborted = (self.flags[0] == ABORTED).tolist()
 
     def ok(self, i: int) -> bool:
-        return not self.flags[:, i].any()
+        return self._ok[i]
 
     def aborted(self, i: int) -> bool:
-        return self.flags[0, i] == ABORTED
+        return self._aborted[i]
 
     def failed_ranks(self, i: int) -> list[int]:
         return [int(r) for r in np.flatnonzero(self.flags[:, i] == FAILED)]

@@ -23,6 +23,18 @@ sizes, and its fault, if any:
 With ``session_turns`` T > 1 every session sends T turns one after another: the first
 brings its features with ids, later turns refer to them (``ref``) while the session holds
 them, and bring them again after a turn that stored nothing; each session is closed.
+In a closed loop each slot runs its session to the end; in an open loop each arrival is
+the next turn of a session whose last turn has returned, or the first turn of a new one.
+
+Which transport (measured with ``make bench`` on a 2-core machine; see bench/results.json):
+``pooled`` (the default) for a client that sends features again and again: one segment
+made once, slices reused when results arrive, no create/open/unlink per request, and a
+rank reads through a descriptor it keeps (1 MiB items: ~1.4x the requests/s of ``shm``
+at tp=1, ~1.6x at tp=2); ``shm`` for a one-off feature or a client that cannot keep a
+pool (each feature is a segment the client creates and mmsched opens, reads and
+unlinks: ~50 µs of fixed cost per feature here, besides the copy); ``inline`` for small
+features or a client on another host (the bytes ride in the message; at tp > 1 they are
+broadcast to every rank with the batch); ``cuda_ipc`` for features already on a GPU.
 
 Segments: the prefixed segments in /dev/shm are listed before and after. Segments this
 process created (``<prefix><pid>_…``) and that are still there at the end are a leak;
@@ -39,6 +51,7 @@ import os
 import random
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -235,11 +248,18 @@ def write_json(report: Report, path: str) -> None:
     import json
 
     with open(path, "w") as fh:
-        json.dump(report.to_json(), fh, indent=1, allow_nan=False, default=_json_default)
+        json.dump(_finite(report.to_json()), fh, indent=1, allow_nan=False, default=str)
 
 
-def _json_default(x):
-    return None if isinstance(x, float) and math.isnan(x) else str(x)
+def _finite(x):
+    """NaN (a percentile of nothing) → null: strict JSON."""
+    if isinstance(x, float):
+        return None if math.isnan(x) or math.isinf(x) else x
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 def write_plot(report: Report, path: str) -> None:
@@ -300,14 +320,13 @@ def list_segments(prefix: str) -> set[str]:
 # ---------------------------------------------------------------- the run
 
 class _Session:
-    __slots__ = ("n", "id", "turn", "stored", "ids", "busy", "blocked")
+    __slots__ = ("n", "id", "turn", "stored", "ids", "busy")
 
     def __init__(self, n: int, tag: str):
         self.n, self.id, self.turn = n, f"{tag}-s{n}", 0
         self.stored = False      # the server holds this session's features (a turn with them got 200)
         self.ids: list[str] = []
         self.busy = False        # a turn is in flight
-        self.blocked = None      # open loop: the next turn, due but waiting for this one
 
 
 class _Run:
@@ -324,6 +343,7 @@ class _Run:
         self.rids: dict[int, str] = {}   # row -> rid, while outstanding
         self.futs: dict[int, asyncio.Future] = {}
         self.sessions: list[_Session] = []
+        self.ready: deque[_Session] = deque()  # open loop: sessions whose last turn returned
         self.closing: list[asyncio.Task] = []
         rng_np = np.random.default_rng(spec.seed)
         self.payloads = {n: torch.from_numpy(rng_np.integers(0, 256, n, dtype=np.uint8)) for n in spec.item_bytes}
@@ -464,10 +484,8 @@ class _Run:
         elif self.spec.concurrency is not None:
             if not self.send_one(sess):
                 self._close_session(sess)
-        elif sess.blocked is not None:  # open loop: the next turn was due already
-            sess.blocked = None
-            if not self.send_one(sess):
-                self._close_session(sess)
+        else:  # open loop: the next arrival may take this session's next turn
+            self.ready.append(sess)
 
     def close_sessions(self) -> None:
         """At the end: close every session that still holds features and has no turn out."""
@@ -492,25 +510,22 @@ class _Run:
                 self.stop_sending()
 
     async def open_loop(self) -> None:
-        rate, T = self.spec.rate, self.spec.session_turns
+        """Arrival i is due at i / rate: the next turn of a session whose last turn returned, or a new one."""
+        rate, sessions = self.spec.rate, self.spec.session_turns > 1
         i = 0
         while self.sending:
             due = self.t0 + i / rate
             now = time.perf_counter()
             if now >= self.send_until or i >= self.spec.requests:
-                self.stop_sending()
                 break
             if due > now:
                 await asyncio.sleep(due - now)
                 continue
             burst = 0
             while due <= now and burst < 256 and self.sending:
-                if T > 1:
-                    n, turn = divmod(i, T)
-                    sess = self._new_session() if turn == 0 else self.sessions[n]
-                    if sess.busy:  # the previous turn is still out: send when it returns
-                        sess.blocked = True
-                    elif not self.send_one(sess):
+                if sessions:
+                    sess = self.ready.popleft() if self.ready else self._new_session()
+                    if not self.send_one(sess):
                         break
                 elif not self.send_one():
                     break
@@ -518,6 +533,7 @@ class _Run:
                 burst += 1
                 due = self.t0 + i / rate
             await asyncio.sleep(0)  # let results in between bursts
+        self.stop_sending()
 
 
 async def run(spec: LoadSpec, client: Client | None = None) -> Report:
@@ -537,10 +553,10 @@ async def run(spec: LoadSpec, client: Client | None = None) -> Report:
             await client.__aenter__()
         ranks = 1
         try:
-            pong = await client.ping(timeout=2.0)
+            pong = await client.ping(timeout=min(2.0, max(0.5, spec.drain_s)))
             ranks = int(pong.get("ranks", 1))
         except asyncio.TimeoutError:
-            notes.append(f"note: no pong from {spec.frontend} within 2 s (is the server up?)")
+            notes.append(f"note: no pong from {spec.frontend} (is the server up?)")
         biggest = max(spec.item_bytes) if spec.items else 0
         if "pooled" in spec.transports and spec.items:
             from .transport.shm_pool import ShmPool

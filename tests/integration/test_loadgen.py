@@ -1,0 +1,158 @@
+"""The load generator against real servers: its counts are the server's counts, faults land where aimed.
+
+Small runs (a few hundred requests); speed is never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+import uuid
+
+from mmsched import loadgen
+from mmsched.loadgen import LoadSpec
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_results(port: int) -> dict[int, int]:
+    """``mmsched_results_total`` by status, scraped from /metrics."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {int(m.group(1)): int(float(m.group(2)))
+            for m in re.finditer(r'^mmsched_results_total\{status="(\d+)"\} (\S+)$', body, re.M)}
+
+
+def counts(report) -> dict[int, int]:
+    return {s: row["count"] for s, row in report.summary["by_status"].items()}
+
+
+def check_clean(report) -> None:
+    assert report.summary["lost"] == 0, report.notes
+    assert report.segments["leaked"] == [], report.segments
+    assert report.ok
+
+
+async def test_counts_match_server_metrics_with_a_fault_mix(start_server):
+    """tp=1, closed loop, every transport and every fault kind: the report equals /metrics."""
+    port = _free_port()
+    srv = start_server("--admin", str(port), "--fault", "0:open:fail-*")
+    spec = LoadSpec(frontend=srv.addr, concurrency=12, requests=300, duration=60, drain_s=20,
+                    items=1, item_bytes=[512, 8192], transports=["pooled", "shm", "inline", "cuda_ipc"],
+                    fail_rate=0.15, client_faults=0.15, abort_rate=0.1, seed=7)
+    report = await loadgen.run(spec)
+    check_clean(report)
+    assert report.summary["sent"] == 300
+    assert counts(report) == server_results(port)
+    by = report.summary["by_fault"]
+    # every kind was drawn, and each got the status it aims at
+    assert set(by) == {"none", "fail", "missing", "too_small", "bad_name", "abort"}, by
+    assert set(by["none"]) == {"200"}
+    assert set(by["fail"]) == {"500"}
+    assert set(by["missing"]) == {"500"}
+    assert set(by["too_small"]) == {"500"}
+    assert set(by["bad_name"]) == {"400"}
+    assert set(by["abort"]) <= {"499", "200"}
+    assert report.summary["unexpected"] == 0
+    # raw rows kept apart from the summary, one per request, in send order
+    rows = report.records.rows()
+    assert len(rows) == 300
+    assert all(r[5] is not None and r[6] is not None and r[6] >= r[5] for r in rows)
+
+
+async def test_sessions_open_loop_tp2_rank1_faults(start_server):
+    """tp=2, open loop, 3-turn sessions (refs after the first turn), rank 1 failing ``fail-*`` rids."""
+    port = _free_port()
+    srv = start_server("--tp", "2", "--admin", str(port), "--fault", "1:open:fail-*")
+    spec = LoadSpec(frontend=srv.addr, rate=400, requests=240, duration=30, drain_s=20, items=2,
+                    item_bytes=[4096], transports=["pooled", "shm", "inline"], session_turns=3,
+                    fail_rate=0.1, seed=3)
+    report = await loadgen.run(spec)
+    check_clean(report)
+    assert counts(report) == server_results(port)
+    assert set(report.summary["by_fault"]["fail"]) == {"500"}
+    assert set(report.summary["by_fault"]["none"]) == {"200"}
+    transports = set(report.records.transport)
+    assert "ref" in transports and transports & {"pooled", "shm", "inline"}, transports
+    turns = set(report.records.turn)
+    assert turns == {0, 1, 2}
+
+
+async def test_lost_results_when_the_server_is_killed_midway(start_server):
+    """SIGKILL the group mid-run: what never came back is lost, the report is not ok, the pool is gone."""
+    srv = start_server()
+    spec = LoadSpec(frontend=srv.addr, rate=300, requests=100_000, duration=2.0, drain_s=1.0, items=1,
+                    item_bytes=[4096], transports=["pooled"])
+    import asyncio
+
+    async def kill_soon():
+        await asyncio.sleep(0.7)
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+
+    killer = asyncio.ensure_future(kill_soon())
+    report = await loadgen.run(spec)
+    await killer
+    s = report.summary
+    assert s["completed"] > 0 and s["lost"] > 0, s
+    assert s["completed"] + s["lost"] == s["sent"]
+    assert not report.ok
+    assert report.segments["leaked"] == []  # pooled: the client's own pool, removed at the end
+
+
+def test_cli_exits_nonzero_on_lost_results(tmp_path):
+    """A frontend with no server: every result is lost, exit code 1, the JSON report says so."""
+    out = tmp_path / "report.json"
+    addr = f"ipc:///tmp/mmsched-test-nobody-{uuid.uuid4().hex[:8]}.sock"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mmsched", "loadtest", "--frontend", addr, "--concurrency", "4",
+         "--requests", "50", "--duration", "0.5", "--drain", "0.5", "--json", str(out)],
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL: lost results" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["lost"] == doc["summary"]["sent"] == 4
+    assert doc["raw"]["columns"][-1] == "status"
+    assert [r[-1] for r in doc["raw"]["rows"]] == [0, 0, 0, 0]
+
+
+def test_cli_table_json_and_plot(shared_server, tmp_path):
+    """The happy path through the CLI: exit 0, one table, the JSON (summary and raw rows), the PNG."""
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    args = [sys.executable, "-m", "mmsched", "loadtest", "--frontend", shared_server.addr, "--requests", "120",
+            "--concurrency", "8", "--item-bytes", "2K", "--session-turns", "2", "--json", str(out)]
+    try:
+        import matplotlib  # noqa: F401
+
+        args += ["--plot", str(png)]
+    except ImportError:
+        png = None
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^\s+200\s+120\s", proc.stdout, re.M), proc.stdout
+    assert "lost 0" in proc.stdout and proc.stdout.rstrip().endswith("OK")
+    assert "\r" not in proc.stderr  # no progress bar when stderr is not a terminal
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["by_status"]["200"]["count"] == 120
+    assert len(doc["raw"]["rows"]) == 120
+    if png is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_make_loadtest_target_uses_the_serve_config():
+    """`make loadtest` and `make serve` read the same config, so the frontend matches by default."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "Makefile")) as fh:
+        make = fh.read()
+    serve = re.search(r"^serve:.*\n\t(.*)$", make, re.M).group(1)
+    load = re.search(r"^loadtest:.*\n\t(.*)$", make, re.M).group(1)
+    cfg = re.search(r"--config (\S+)", serve)
+    assert cfg and f"--config {cfg.group(1)}" in load and "mmsched loadtest" in load
