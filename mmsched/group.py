@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -41,17 +42,30 @@ class GlooGroup:
         )
         self.rank, self.world = rank, world
 
+    FIRST = 32 << 10  # the first broadcast's size: a typical batch fits, so one collective suffices
+
     def broadcast(self, payload: bytes | None) -> memoryview:
-        """Leader passes bytes, followers None; everyone gets the leader's bytes."""
+        """Leader passes bytes, followers None; everyone gets the leader's bytes.
+
+        One fixed-size broadcast carries the length and the first bytes; a second one
+        follows only for a payload that did not fit."""
         try:
-            size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-            dist.broadcast(size, src=0)
+            head = torch.zeros(self.FIRST, dtype=torch.uint8)
             if payload is not None:
-                buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if size.item() else torch.empty(0, dtype=torch.uint8)
-            else:
-                buf = torch.empty(int(size.item()), dtype=torch.uint8)
-            if buf.numel():
-                dist.broadcast(buf, src=0)
+                n = len(payload)
+                head[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+                first = min(n, self.FIRST - 8)
+                head.numpy()[8: 8 + first] = np.frombuffer(payload, dtype=np.uint8, count=first)
+            dist.broadcast(head, src=0)
+            n = int(head[:8].view(torch.int64).item())
+            if n <= self.FIRST - 8:
+                return memoryview(head.numpy())[8: 8 + n]
+            buf = torch.empty(n, dtype=torch.uint8)
+            if payload is not None:
+                buf.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+            dist.broadcast(buf[self.FIRST - 8:], src=0)
+            if payload is None:
+                buf.numpy()[: self.FIRST - 8] = head.numpy()[8:]
             return memoryview(buf.numpy())
         except RuntimeError as exc:
             raise GroupBroken(f"broadcast failed: {exc}") from exc

@@ -404,7 +404,7 @@ def _input_ids(v: Any, limits: Limits) -> np.ndarray:
         raise BadRequest(f, "required: an array of ints or a bin of int32")
     if not 1 <= arr.size <= limits.max_input_len:
         raise BadRequest(f, f"length {arr.size} outside 1..{limits.max_input_len} (max_input_len)")
-    if arr.min() < 0 or arr.max() >= 2**31:
+    if arr.min() < 0 or (arr.dtype != np.dtype("<i4") and arr.max() >= 2**31):  # int32 cannot reach 2^31
         raise BadRequest(f, "each id must satisfy 0 <= id < 2^31")
     return arr.astype("<i4", copy=False)
 
