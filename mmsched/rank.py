@@ -320,8 +320,23 @@ class Leader:
                 self._finish(batch, *outcome)                    # 3. answer each request once
             return await self._stopped()
 
+    INLINE_BYTES = 1 << 20  # feature bytes a batch may copy and still run on the loop (~1 ms)
+
+    def _runs_inline(self, batch: Batch) -> bool:
+        """A group of one has no collective to wait on: a small batch (text, small features, no
+        drills) costs less on the loop than the hand-off to the lane thread (2x the
+        throughput on 2 cores, bench/run.py). Big copies and fault drills keep the lane, so
+        pings, aborts and /health are answered while they run."""
+        return (self.world == 1 and not self.runner.faults
+                and sum(r.feature_bytes for r in batch.requests) <= self.INLINE_BYTES)
+
     async def _run_on_lane(self, batch: Batch):
         """(results, stats) of the batch; None when a second signal cut it short."""
+        if self._runs_inline(batch):
+            try:
+                return self._lead(batch)
+            except Exception as exc:  # as on the lane: a step that raises means we can no longer serve
+                raise GroupBroken(f"batch step raised {describe(exc)}") from exc
         step = asyncio.ensure_future(self.lane.run(self._lead, batch))
         now = asyncio.ensure_future(self._now.wait())
         await asyncio.wait({step, now}, return_when=asyncio.FIRST_COMPLETED)
