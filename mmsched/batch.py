@@ -23,7 +23,7 @@ from .metrics import RankCounters
 from .remote import ForwardedFeature, Topology
 from .protocol import ABORTED, INTERNAL, OK, UNAVAILABLE, Request, result
 from .sessions import SessionStore
-from .transport import Feature, open_feature
+from .transport import open_feature
 from .transport.cuda_ipc import acknowledge
 
 
@@ -145,7 +145,6 @@ class BatchRunner:
                 stats.unlinked += getattr(f, "unlinked", False)
         self.counters.segments_unlinked += stats.unlinked
         # 5. engine step on what survived everywhere (its own collective agrees late aborts)
-        out: list[dict | None] = [None] * n
         refused = self._session_overflow(reqs, tensors, [i for i in range(n) if verdict.ok(i)])
         live = [i for i in range(n) if verdict.ok(i) and not mismatched[i] and i not in refused]
         slot = {i: j for j, i in enumerate(live)}

@@ -22,7 +22,7 @@ import torch
 from .errors import FeatureError
 from .faults import Faults
 from .protocol import Item
-from .transport import typed
+from .transport import OpenedFeature, typed
 
 HOST_BOUND = ("shm", "cuda_ipc")  # transports that only reach ranks on the client's host
 ALIGN = 8  # forwarded items start at multiples of this in the shipped buffer (the widest dtype)
@@ -94,17 +94,14 @@ class Topology:
         return cls(rank, hosts, groups)
 
 
-class ForwardedFeature:
+class ForwardedFeature(OpenedFeature):
     """A host-bound item on a remote rank: its bytes arrive from the leader with the batch."""
 
-    __slots__ = ("item", "rid", "error", "_faults", "_raw")
+    __slots__ = ("_raw",)
 
     def __init__(self, item: Item, rid: str, faults: Faults):
-        self.item, self.rid, self.error, self._faults, self._raw = item, rid, None, faults, None
-        try:
-            faults.check("open", rid)
-        except Exception as exc:
-            self.error = exc
+        self._raw = None
+        super().__init__(item, rid, faults)
 
     def receive(self, raw: torch.Tensor | None, problem: str | None) -> None:
         if self.error is None:
@@ -113,10 +110,7 @@ class ForwardedFeature:
             else:
                 self._raw = raw
 
-    def materialize(self) -> torch.Tensor:
-        if self.error is not None:
-            raise self.error
-        self._faults.check("materialize", self.rid)
+    def _read(self) -> torch.Tensor:
         # A view into the batch's one received buffer; a feature a session may keep gets its own
         # memory, or it would pin every forwarded byte of its batch past the session's bound.
         raw = self._raw.clone() if self.item.id is not None else self._raw

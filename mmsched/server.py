@@ -24,7 +24,7 @@ from . import log
 from .batch import BatchRunner
 from .config import Config
 from .engine import ReferenceEngine
-from .errors import ConfigError, GroupBroken, describe
+from .errors import ConfigError, describe
 from .faults import Faults
 from .group import GlooGroup, SoloGroup
 from .lane import Lane

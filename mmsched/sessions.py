@@ -17,6 +17,7 @@ import torch
 
 from .faults import Faults
 from .protocol import Item
+from .transport import OpenedFeature
 
 
 @dataclass
@@ -88,23 +89,19 @@ class SessionStore:
         return f"<SessionStore sessions={len(self._sessions)} bytes={self.nbytes}/{self.max_bytes}>"
 
 
-class SessionFeature:
+class SessionFeature(OpenedFeature):
     """A ``transport: "session"`` item: the stored tensor, shared read-only with the session."""
 
-    __slots__ = ("item", "rid", "error", "_faults", "_tensor")
+    __slots__ = ("_tensor", "_lookup")
 
     def __init__(self, item: Item, rid: str, faults: Faults, lookup):
-        self.item, self.rid, self.error, self._faults, self._tensor = item, rid, None, faults, None
-        try:
-            faults.check("open", rid)
-            self._tensor = lookup(item.ref)
-        except Exception as exc:
-            self.error = exc
+        self._tensor, self._lookup = None, lookup
+        super().__init__(item, rid, faults)
 
-    def materialize(self) -> torch.Tensor:
-        if self.error is not None:
-            raise self.error
-        self._faults.check("materialize", self.rid)
+    def _open(self) -> None:
+        self._tensor = self._lookup(self.item.ref)
+
+    def _read(self) -> torch.Tensor:
         return self._tensor
 
     def release(self, unlink: bool) -> None:

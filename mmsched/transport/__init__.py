@@ -38,6 +38,38 @@ def typed(raw: torch.Tensor, item: Item) -> torch.Tensor:
     return raw.view(TORCH_DTYPE[item.dtype]).reshape(item.shape)
 
 
+class OpenedFeature:
+    """Errors as data, once for every transport: ``_open`` runs at construction after the
+    ``open`` fault check, and whatever it raises is kept; ``materialize`` raises it, or
+    checks the ``materialize`` fault and returns ``_read()``."""
+
+    __slots__ = ("item", "rid", "error", "_faults")
+
+    def __init__(self, item: Item, rid: str, faults: Faults):
+        self.item, self.rid, self.error, self._faults = item, rid, None, faults
+        try:
+            faults.check("open", rid)
+            self._open()
+        except Exception as exc:
+            self.error = exc
+            self._open_failed()
+
+    def _open(self) -> None:
+        """Attach to the feature; raise what went wrong."""
+
+    def _open_failed(self) -> None:
+        """Hook: what a transport owes its producer when it will never read (cuda_ipc acks)."""
+
+    def _read(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def materialize(self) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        self._faults.check("materialize", self.rid)
+        return self._read()
+
+
 class UnavailableFeature:
     """A transport this server cannot serve here: fails at materialize, like any open error."""
 

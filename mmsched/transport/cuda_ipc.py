@@ -32,7 +32,7 @@ from ..errors import FeatureError, describe
 from ..faults import Faults
 from ..log import event
 from ..protocol import Item
-from . import typed
+from . import OpenedFeature, typed
 from .shm import create_segment, read_into, shm_path, tensor_bytes
 
 
@@ -316,25 +316,22 @@ def acknowledge(item: Item, ranks: range | list[int], rid: str | None = None) ->
         event("ack_failed", logging.WARNING, rid=rid, acks=ipc.get("acks"), error=describe(exc))
 
 
-class CudaIpcFeature:
-    __slots__ = ("item", "rid", "error", "rank", "_faults", "_pool", "_acked")
+class CudaIpcFeature(OpenedFeature):
+    __slots__ = ("rank", "world", "_pool", "_acked")
 
     def __init__(self, item: Item, rid: str, faults: Faults, rank: int, world: int):
-        self.item, self.rid, self.error, self.rank, self._faults = item, rid, None, rank, faults
-        self._pool, self._acked = None, False
-        try:
-            faults.check("open", rid)
-            if item.ipc["ranks"] < world:
-                raise FeatureError(f"ack board has {item.ipc['ranks']} rank columns, the group has {world}")
-            self._pool = ATTACHED.pool(item.ipc["device"], item.ipc["handle"])
-        except Exception as exc:
-            self.error = exc
-            self._ack()  # this rank will never read it: say so now, not at release
+        self.rank, self.world, self._pool, self._acked = rank, world, None, False
+        super().__init__(item, rid, faults)
 
-    def materialize(self) -> torch.Tensor:
-        if self.error is not None:
-            raise self.error
-        self._faults.check("materialize", self.rid)
+    def _open(self) -> None:
+        if self.item.ipc["ranks"] < self.world:
+            raise FeatureError(f"ack board has {self.item.ipc['ranks']} rank columns, the group has {self.world}")
+        self._pool = ATTACHED.pool(self.item.ipc["device"], self.item.ipc["handle"])
+
+    def _open_failed(self) -> None:
+        self._ack()  # this rank will never read it: say so now, not at release
+
+    def _read(self) -> torch.Tensor:
         dev, pool = self._pool
         try:
             raw = dev.copy_out(pool, self.item.ipc["offset"], self.item.nbytes)

@@ -8,28 +8,19 @@ import numpy as np
 import torch
 
 from ..errors import InjectedFault, describe
-from ..faults import Faults
 from ..log import event
-from ..protocol import Item
-from . import typed
+from . import OpenedFeature, typed
 
 
-class InlineFeature:
-    __slots__ = ("item", "rid", "error", "_faults")
+class InlineFeature(OpenedFeature):
+    __slots__ = ()
 
-    def __init__(self, item: Item, rid: str, faults: Faults):
-        self.item, self.rid, self.error, self._faults = item, rid, None, faults
-        try:
-            faults.check("open", rid)
-            if memoryview(item.payload).nbytes != item.nbytes:  # the leader checked; followers re-check
-                raise ValueError(f"payload holds {memoryview(item.payload).nbytes} bytes, expected {item.nbytes}")
-        except Exception as exc:
-            self.error = exc
+    def _open(self) -> None:
+        got = memoryview(self.item.payload).nbytes
+        if got != self.item.nbytes:  # the leader checked; followers re-check
+            raise ValueError(f"payload holds {got} bytes, expected {self.item.nbytes}")
 
-    def materialize(self) -> torch.Tensor:
-        if self.error is not None:
-            raise self.error
-        self._faults.check("materialize", self.rid)
+    def _read(self) -> torch.Tensor:
         raw = torch.empty(self.item.nbytes, dtype=torch.uint8)
         if self.item.nbytes:
             raw.numpy()[:] = np.frombuffer(self.item.payload, dtype=np.uint8)

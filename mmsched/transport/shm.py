@@ -24,7 +24,7 @@ from ..errors import FeatureError, InjectedFault, ShmFull, describe
 from ..faults import Faults
 from ..log import event
 from ..protocol import Item
-from . import typed
+from . import OpenedFeature, typed
 
 SHM_DIR = "/dev/shm"
 
@@ -37,29 +37,25 @@ def shm_path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-class ShmFeature:
+class ShmFeature(OpenedFeature):
     """A feature in a segment: opened and locked at construction, errors kept as data."""
 
-    __slots__ = ("item", "rid", "error", "unlinked", "_fd", "_faults", "_released")
+    __slots__ = ("unlinked", "_fd", "_released")
 
     def __init__(self, item: Item, rid: str, faults: Faults):
-        self.item, self.rid, self.error, self._faults = item, rid, None, faults
         self._fd, self._released, self.unlinked = -1, False, False
-        try:
-            faults.check("open", rid)
-            self._fd = open_segment(item.shm_name)
-            size = os.fstat(self._fd).st_size
-            need = item.offset + item.nbytes
-            if need > size:
-                raise SegmentTooSmall(f"segment {item.shm_name} holds {size} bytes; "
-                                      f"offset {item.offset} + nbytes {item.nbytes} = {need}")
-        except Exception as exc:
-            self.error = exc
+        super().__init__(item, rid, faults)
 
-    def materialize(self) -> torch.Tensor:
-        if self.error is not None:
-            raise self.error
-        self._faults.check("materialize", self.rid)
+    def _open(self) -> None:
+        item = self.item
+        self._fd = open_segment(item.shm_name)
+        size = os.fstat(self._fd).st_size
+        need = item.offset + item.nbytes
+        if need > size:
+            raise SegmentTooSmall(f"segment {item.shm_name} holds {size} bytes; "
+                                  f"offset {item.offset} + nbytes {item.nbytes} = {need}")
+
+    def _read(self) -> torch.Tensor:
         raw = torch.empty(self.item.nbytes, dtype=torch.uint8)
         read_into(self._fd, raw.numpy(), self.item.offset, self.item.shm_name)
         return typed(raw, self.item)

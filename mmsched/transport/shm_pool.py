@@ -25,7 +25,7 @@ from ..errors import FeatureError
 from ..faults import Faults
 from ..log import event
 from ..protocol import Item
-from . import typed
+from . import OpenedFeature, typed
 from .shm import SegmentTooSmall, create_segment, read_into, shm_path, tensor_bytes
 
 
@@ -102,29 +102,26 @@ class PoolCache:
 POOLS = PoolCache()
 
 
-class PooledFeature:
+class PooledFeature(OpenedFeature):
     """A slice of a client's pool, read (pread) through the cached descriptor; nothing to unlink.
 
     Never copied out of the mapping itself: the owner may truncate its pool at any time, and
     touching a mapping past the end of its file is a SIGBUS that would take the rank down."""
 
-    __slots__ = ("item", "rid", "error", "_faults", "_pool")
+    __slots__ = ("_pool", "_cache")
 
     def __init__(self, item: Item, rid: str, faults: Faults, cache: PoolCache = POOLS):
-        self.item, self.rid, self.error, self._faults, self._pool = item, rid, None, faults, None
-        try:
-            faults.check("open", rid)
-            self._pool = cache.get(item.shm_name)
-            if item.offset + item.nbytes > self._pool.size:
-                raise SegmentTooSmall(f"pool {item.shm_name} holds {self._pool.size} bytes; offset "
-                                      f"{item.offset} + nbytes {item.nbytes} = {item.offset + item.nbytes}")
-        except Exception as exc:
-            self.error = exc
+        self._pool, self._cache = None, cache
+        super().__init__(item, rid, faults)
 
-    def materialize(self) -> torch.Tensor:
-        if self.error is not None:
-            raise self.error
-        self._faults.check("materialize", self.rid)
+    def _open(self) -> None:
+        item = self.item
+        self._pool = self._cache.get(item.shm_name)
+        if item.offset + item.nbytes > self._pool.size:
+            raise SegmentTooSmall(f"pool {item.shm_name} holds {self._pool.size} bytes; offset "
+                                  f"{item.offset} + nbytes {item.nbytes} = {item.offset + item.nbytes}")
+
+    def _read(self) -> torch.Tensor:
         raw = torch.empty(self.item.nbytes, dtype=torch.uint8)
         # a pool its owner shrank gives a short read: SegmentTooSmall for this request only
         read_into(self._pool.fd, raw.numpy(), self.item.offset, self.item.shm_name)
