@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,6 +88,15 @@ def sync_ping(addr: str, timeout: float = 1.0) -> dict | None:
         s.close(linger=0)
 
 
+def pid_alive(pid: int) -> bool:
+    """Running (a zombie waiting to be reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 class Server:
     """A real ``mmsched serve`` subprocess on a private ipc:// address."""
 
@@ -125,6 +135,16 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
             raise
+
+    def rank_pids(self, timeout: float = 10.0) -> list[int]:
+        """The rank pids the tp>1 launcher logged (``launched ranks=N pids=P0,P1,...``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = re.search(r"launched ranks=\d+ pids=([\d,]+)", self.logs())
+            if m:
+                return [int(p) for p in m.group(1).split(",")]
+            time.sleep(0.05)
+        raise AssertionError(f"no 'launched' line in the server log:\n{self.logs()}")
 
     def kill_all(self) -> None:
         try:

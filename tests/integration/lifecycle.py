@@ -10,7 +10,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import re
 import time
 
 import torch
@@ -64,11 +63,6 @@ async def hold_lane(c: Client, rid: str, settle: float = 0.5) -> asyncio.Future:
     return fut
 
 
-def rank_pids(srv: Server, timeout: float = 10.0) -> list[int]:
-    """The rank pids the launcher logged (``launched ranks=2 pids=P0,P1``)."""
-    m = wait_until(lambda: re.search(r"launched ranks=\d+ pids=([\d,]+)", srv.logs()), timeout,
-                   "a 'launched' line in the server log")
-    return [int(p) for p in m.group(1).split(",")]
 
 
 @contextlib.contextmanager

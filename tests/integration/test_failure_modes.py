@@ -30,6 +30,7 @@ from mmsched.client import Client, raw
 from mmsched.transport.shm import create_segment
 
 from ..conftest import Server, sync_ping
+from ..conftest import pid_alive as alive
 
 SHM = "/dev/shm"
 STALL_S = 2
@@ -41,22 +42,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_pids(srv: Server, timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = re.search(r"launched ranks=2 pids=(\d+),(\d+)", srv.logs())
-        if m:
-            return [int(m.group(1)), int(m.group(2))]
-        time.sleep(0.05)
-    raise AssertionError(f"no 'launched ranks=2' line:\n{srv.logs()}")
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def wait_until(cond, timeout: float, what: str):
@@ -102,7 +89,7 @@ def drills(tmp_path_factory):
     srv.admin = f"http://127.0.0.1:{port}"
     try:
         srv.wait_ready(timeout=90)
-        srv.pids = rank_pids(srv)
+        srv.pids = srv.rank_pids()
         yield srv
     finally:
         try:
@@ -199,7 +186,7 @@ async def test_leader_killed_follower_and_launcher_exit_nonzero_and_sweep_reclai
                  tmp_dir=str(tmp_path))
     try:
         srv.wait_ready(timeout=90)
-        pids = rank_pids(srv)
+        pids = srv.rank_pids()
         prefix = f"mmsched_{os.getpid()}_"
         async with Client(srv.addr) as c:
             h_item, h_seg = segment_item()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import string
 import time
 import uuid
@@ -38,12 +37,13 @@ import pytest
 import torch
 import zmq
 
-from mmsched.protocol import ITEMSIZE, valid_shm_name
+from mmsched.protocol import ITEMSIZE
 from mmsched.transport.cuda_ipc import IpcPool, ShmDevice
 from mmsched.transport.shm import create_segment
 from mmsched.transport.shm_pool import ShmPool
 
 from ..conftest import Server, sync_ping
+from ..conftest import pid_alive as alive
 
 PREFIX = "mmsched_"
 SHM = "/dev/shm"
@@ -69,7 +69,7 @@ def group(tmp_path_factory):
     srv = Server(*GROUP_ARGS, tmp_dir=str(tmp_path_factory.mktemp("fuzzgroup")))
     try:
         srv.wait_ready(timeout=90)
-        srv.pids = rank_pids(srv)
+        srv.pids = srv.rank_pids()
         yield srv
     finally:
         try:
@@ -78,22 +78,8 @@ def group(tmp_path_factory):
             srv.kill_all()
 
 
-def rank_pids(srv: Server, timeout: float = 10.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = re.search(r"launched ranks=2 pids=(\d+),(\d+)", srv.logs())
-        if m:
-            return [int(m.group(1)), int(m.group(2))]
-        time.sleep(0.05)
-    raise AssertionError(f"no 'launched ranks=2' line in the log:\n{srv.logs()}")
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def rss_kib(pid: int) -> int:

@@ -26,6 +26,7 @@ import torch
 from mmsched.client import Client, Result, inline, shm
 
 from ..conftest import Server, sync_ping
+from ..conftest import pid_alive as alive
 
 VENV_BIN = os.path.dirname(sys.executable)
 
@@ -64,24 +65,8 @@ def named_ranks(message: str) -> list[int]:
     return sorted(int(r) for r in re.findall(r"rank (\d+): ", message))
 
 
-def rank_pids(srv: Server, timeout: float = 10.0) -> list[int]:
-    """The rank pids the launcher logged (``launched ranks=2 pids=P0,P1``)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        m = re.search(r"launched ranks=\d+ pids=([\d,]+)", srv.logs())
-        if m:
-            return [int(p) for p in m.group(1).split(",")]
-        time.sleep(0.05)
-    raise AssertionError(f"no 'launched' line in the server log:\n{srv.logs()}")
 
 
-def alive(pid: int) -> bool:
-    """Running (a zombie waiting to be reaped counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def wait_until(cond, timeout: float, what: str) -> None:
@@ -294,7 +279,7 @@ async def test_follower_killed_mid_collective_breaks_the_group_cleanly(private_s
     timeout = 5.0
     srv = private_server("--tp", "2", "--collective-timeout", str(timeout),
                          "--fault", "1:stall:hold-*", "--stall-s", "60")
-    pids = rank_pids(srv)
+    pids = srv.rank_pids()
     assert len(pids) == 2 and all(alive(p) for p in pids)
     async with Client(srv.addr) as c:
         inflight = c.send_request("embed", [1], [shm(feature(50))], rid="hold-1")
@@ -324,7 +309,7 @@ async def test_follower_killed_mid_collective_breaks_the_group_cleanly(private_s
 async def test_collective_past_its_deadline_breaks_the_group(private_server):
     srv = private_server("--tp", "2", "--collective-timeout", "3",
                          "--fault", "1:stall:hang-*", "--stall-s", "20")
-    pids = rank_pids(srv)
+    pids = srv.rank_pids()
     async with Client(srv.addr) as c:
         r = await c.request("embed", [1, 2, 3], [shm(feature(60))], rid="hang-1", timeout=10)
         assert r.status == 500, r
@@ -351,7 +336,7 @@ async def test_collective_past_its_deadline_breaks_the_group(private_server):
 
 async def test_follower_ignores_signals_and_launcher_sigterm_exits_zero(private_server):
     srv = private_server("--tp", "2")
-    pids = rank_pids(srv)
+    pids = srv.rank_pids()
     os.kill(pids[1], signal.SIGTERM)
     os.kill(pids[1], signal.SIGINT)
     await asyncio.sleep(0.5)

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import hashlib
 import os

@@ -20,7 +20,7 @@ import torch
 from mmsched.client import Client, shm
 
 from ..conftest import Server
-from .lifecycle import my_segments, rank_pids, sha256_of
+from .lifecycle import my_segments, sha256_of
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ async def test_soak(tmp_path):
     srv = Server(*ARGS, tmp_dir=str(tmp_path))
     try:
         srv.wait_ready(timeout=120)
-        pids = rank_pids(srv)
+        pids = srv.rank_pids()
         mark = min(10_000, max(1, N // 10))
         rss_mark: dict[int, int] = {}
         rss_series: list[tuple[int, list[int]]] = []
