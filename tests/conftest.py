@@ -136,6 +136,19 @@ class Server:
             self.proc.wait()
             raise
 
+    def __enter__(self) -> "Server":
+        """``with Server(...) as srv``: ready inside, stopped (and killed if need be) after."""
+        self.wait_ready()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stop(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            self.kill_all()
+
     def rank_pids(self, timeout: float = 10.0) -> list[int]:
         """The rank pids the tp>1 launcher logged (``launched ranks=N pids=P0,P1,...``)."""
         deadline = time.monotonic() + timeout
@@ -180,8 +193,5 @@ def start_server(tmp_path):
 @pytest.fixture(scope="module")
 def shared_server(tmp_path_factory):
     """One tp=1 server for a whole module of tests that do not change its state."""
-    srv = Server(tmp_dir=str(tmp_path_factory.mktemp("srv")))
-    srv.wait_ready()
-    yield srv
-    srv.stop(timeout=20)
-    srv.kill_all()
+    with Server(tmp_dir=str(tmp_path_factory.mktemp("srv"))) as srv:
+        yield srv

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import subprocess
 import time
 import uuid
 
@@ -115,16 +114,8 @@ def rawsock(shared_server):
 @pytest.fixture(scope="module")
 def stall_server(tmp_path_factory):
     """A tp=1 server whose rank sleeps 2 s inside the engine step of every ``hold-*`` request."""
-    srv = Server("--fault", "0:stall:hold-*", "--stall-s", "2", tmp_dir=str(tmp_path_factory.mktemp("stall")))
-    try:
-        srv.wait_ready()
+    with Server("--fault", "0:stall:hold-*", "--stall-s", "2", tmp_dir=str(tmp_path_factory.mktemp("stall"))) as srv:
         yield srv
-    finally:
-        try:
-            srv.stop(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        srv.kill_all()
 
 
 # ---------------------------------------------------------------- 200

@@ -48,23 +48,16 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     port = _free_port()
-    srv = Server(
+    with Server(
         "--max-input-len", str(MAX_INPUT_LEN), "--max-items", str(MAX_ITEMS),
         "--max-item-bytes", str(MAX_ITEM_BYTES), "--max-request-bytes", str(MAX_REQUEST_BYTES),
         "--max-new-tokens", str(MAX_NEW_TOKENS), "--max-message-bytes", str(MAX_MESSAGE_BYTES),
         "--max-queue", str(MAX_QUEUE), "--max-inflight-bytes", str(MAX_INFLIGHT_BYTES),
         "--max-batch", "1", "--fault", "0:stall:hold-*", "--stall-s", str(STALL_S), "--zmq-hwm", str(ZMQ_HWM),
         "--admin", str(port),
-        tmp_dir=str(tmp_path_factory.mktemp("limits")))
-    srv.admin = f"http://127.0.0.1:{port}"
-    try:
-        srv.wait_ready()
+        tmp_dir=str(tmp_path_factory.mktemp("limits"))) as srv:
+        srv.admin = f"http://127.0.0.1:{port}"
         yield srv
-    finally:
-        try:
-            srv.stop(timeout=20)
-        finally:
-            srv.kill_all()
 
 
 # ---------------------------------------------------------------- helpers

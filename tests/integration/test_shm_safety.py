@@ -34,16 +34,9 @@ SHM = "/dev/shm"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server("--max-batch", "8", "--collective-timeout", "20",
-                 tmp_dir=str(tmp_path_factory.mktemp("shmsafety")))
-    try:
-        srv.wait_ready()
+    with Server("--max-batch", "8", "--collective-timeout", "20",
+                 tmp_dir=str(tmp_path_factory.mktemp("shmsafety"))) as srv:
         yield srv
-    finally:
-        try:
-            srv.stop(timeout=20)
-        finally:
-            srv.kill_all()
 
 
 # ---------------------------------------------------------------- helpers
