@@ -78,10 +78,25 @@ def secure_client(sock: zmq.Socket, server_key: str | bytes, client_cert: str) -
     sock.curve_publickey, sock.curve_secretkey = public, secret
 
 
+def _ipc_path(address: str) -> str | None:
+    """The file behind an ipc:// address (None for tcp:// and Linux abstract sockets)."""
+    if address.startswith("ipc://") and not address.startswith("ipc://@"):
+        return address[len("ipc://"):]
+    return None
+
+
+def remove_ipc(address: str) -> None:
+    """After the frontend closed: ZeroMQ leaves an ipc:// socket file behind; remove ours."""
+    path = _ipc_path(address)
+    if path and os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
+        os.unlink(path)
+
+
 def restrict_ipc(address: str, mode: int) -> None:
     """Give an ipc:// socket file its configured mode (default 0660).
 
     A Linux abstract socket (``ipc://@name``) has no file and so no mode: like loopback
     tcp, any local process may connect to it."""
-    if address.startswith("ipc://") and not address.startswith("ipc://@"):
-        os.chmod(address[len("ipc://"):], mode)
+    path = _ipc_path(address)
+    if path:
+        os.chmod(path, mode)

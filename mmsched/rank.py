@@ -20,7 +20,7 @@ from .batch import Batch, BatchRunner
 from .config import Config
 from .errors import BadRequest, ConfigError, GroupBroken, describe
 from .admin import AdminServer
-from .auth import restrict_ipc, secure_frontend
+from .auth import remove_ipc, restrict_ipc, secure_frontend
 from .lane import Lane
 from .log import event
 from .metrics import Metrics
@@ -373,6 +373,7 @@ class Leader:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.sock.close(linger=1000)
+            remove_ipc(self.cfg.frontend)
             if self._auth is not None:
                 self._auth.stop()
             self.ctx.term()

@@ -165,6 +165,10 @@ class Server:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        try:  # a killed server cannot remove its socket file itself
+            os.unlink(self.addr[len("ipc://"):])
+        except FileNotFoundError:
+            pass
         self._log.close()
 
 

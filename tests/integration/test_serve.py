@@ -72,6 +72,7 @@ async def test_sigterm_drains_every_request_once(start_server):
         await asyncio.sleep(0.2)
         assert c.unrouted == []
     assert code == 0, srv.logs()
+    assert not os.path.exists(srv.addr[len("ipc://"):]), "the stopped server left its ipc socket file"
     assert results["hold-0"].status == 200, results["hold-0"].message
     for rid, r in results.items():
         assert r.status in (200, 503), (rid, r.status, r.message)
