@@ -49,17 +49,6 @@ class Batch:
         return cls(seq, [Request.from_wire(w) for w in reqs], stop, closes, gather_stats)
 
 
-@dataclass
-class StepStats:
-    """What one step did, for logs and metrics."""
-
-    opened: int = 0
-    failed: int = 0
-    unlinked: int = 0
-    feature_bytes: int = 0
-    consensus_s: float = 0.0
-
-
 def digest_prefix(digests: list[str]) -> int:
     """8 bytes standing for a request's item digests, to compare across ranks in the consensus."""
     h = hashlib.sha256("".join(digests).encode()).digest()
@@ -83,13 +72,14 @@ class BatchRunner:
     def _lookup(self, session_id: str | None):
         return lambda ref: self.sessions.lookup(session_id, ref)
 
-    def run(self, batch: Batch) -> tuple[list[dict], StepStats]:
-        reqs, stats = batch.requests, StepStats()
+    def run(self, batch: Batch) -> tuple[list[dict], float | None]:
+        """Results (built on every rank, sent by the leader) and the consensus's seconds."""
+        reqs = batch.requests
         n = len(reqs)
         for sid in batch.closes:  # 0. sessions closed or idle, in stream order
             self.sessions.close(sid)
         if not reqs:
-            return [], stats
+            return [], None
         # 1. open every feature; errors stay on the feature
         rank, world, topo = self.group.rank, self.group.world, self.topology
         forwarded = remote.host_bound(reqs) if topo.remote_hosts else []
@@ -128,11 +118,10 @@ class BatchRunner:
         # 3. agree: one collective; the barrier before anyone unlinks
         t0 = time.perf_counter()
         verdict = consensus.agree(self.group, flags, errors, extra=prefixes)
-        stats.consensus_s = time.perf_counter() - t0
+        consensus_s = time.perf_counter() - t0
         mismatch = (verdict.extra[:, :, 0] != verdict.extra[0:1, :, 0]).numpy()
         mismatched = mismatch.any(axis=0).tolist()  # per request, once per batch
         # 4. release: every rank closes, the leader unlinks each owned segment once
-        stats.opened = sum(len(f) for f in opened)
         seen: set[str] = set()
         for feats in opened:
             for f in feats:
@@ -142,8 +131,7 @@ class BatchRunner:
                     seen.add(name)
                 if f.release(unlink=self.unlinks and first) is False:
                     self.counters.release_failures += 1
-                stats.unlinked += getattr(f, "unlinked", False)
-        self.counters.segments_unlinked += stats.unlinked
+                self.counters.segments_unlinked += getattr(f, "unlinked", False)
         # 5. engine step on what survived everywhere (its own collective agrees late aborts)
         refused = self._session_overflow(reqs, tensors, [i for i in range(n) if verdict.ok(i)])
         live = [i for i in range(n) if verdict.ok(i) and not mismatched[i] and i not in refused]
@@ -185,15 +173,12 @@ class BatchRunner:
                     if req.want_digest:
                         meta["digests"] = digests[i]
                     results.append(result(req.rid, OK, output=outputs[j], meta=meta))
-                    stats.feature_bytes += req.feature_bytes
-        self.counters.bytes_materialized += stats.feature_bytes
         for req in reqs:
             if req.session_id is not None:
                 self.sessions.touch(req.session_id)
-        stats.failed = int((flags == consensus.FAILED).sum())
         for i, msg in errors.items():
             event("feature_failed", logging.DEBUG, rid=reqs[i].rid, error=msg)
-        return results, stats
+        return results, consensus_s
 
     @staticmethod
     def _new_session_features(req: Request, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:

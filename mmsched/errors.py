@@ -2,7 +2,6 @@
 
     MMSchedError
     ├── BadRequest          a message breaks the contract → 400, names the field
-    ├── Unavailable         overloaded / draining / group unhealthy → 503
     ├── FeatureError        a feature could not be materialized on this rank → 500
     │   └── InjectedFault   raised by --fault, for tests and drills
     ├── GroupBroken         a collective raised or missed its deadline: the group is gone
@@ -27,10 +26,6 @@ class BadRequest(MMSchedError):
         super().__init__(f"{field}: {problem}")
         self.field = field
         self.rid = rid
-
-
-class Unavailable(MMSchedError):
-    """The service cannot take the request now (503)."""
 
 
 class FeatureError(MMSchedError):

@@ -23,7 +23,6 @@ class Lane:
         self.timeout_s = timeout_s
         self.broken: str | None = None
         self.busy_since: float | None = None
-        self.last_done = time.monotonic()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -62,7 +61,6 @@ class Lane:
             raise GroupBroken(self.broken) from exc
         finally:
             self.busy_since = None
-            self.last_done = time.monotonic()
 
     def stuck_for(self) -> float:
         """Seconds the current call has run (0 when idle): /health reads it."""

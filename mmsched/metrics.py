@@ -22,12 +22,11 @@ class RankCounters:
     failures: Counter = field(default_factory=Counter)  # stage -> requests failed here
     release_failures: int = 0
     segments_unlinked: int = 0
-    bytes_materialized: int = 0
     bytes_forwarded: int = 0  # leader: feature bytes shipped to ranks on other hosts
 
     def snapshot(self) -> dict:
         return {"failures": dict(self.failures), "release_failures": self.release_failures,
-                "segments_unlinked": self.segments_unlinked, "bytes_materialized": self.bytes_materialized,
+                "segments_unlinked": self.segments_unlinked,
                 "bytes_forwarded": self.bytes_forwarded}
 
 

@@ -68,9 +68,6 @@ class Follower:
         self.state = State.STOPPED
         return 0
 
-    def request_stop(self, immediate: bool = False) -> None:
-        """Followers leave the decision to the leader: signals are ignored."""
-
 
 class Leader:
     """Receives from clients, validates, batches, and answers each request exactly once."""
@@ -210,9 +207,7 @@ class Leader:
             event("bad_request", rid=req.rid, field=bad_ref.split(":", 1)[0], error=bad_ref)
             self._answer(req, BAD_REQUEST, bad_ref)
         elif req.key in self.queue or req.key in self.inflight:
-            for name in req.owned_segments:
-                unlink_segment(name, req.rid)
-            self._send_to_client(req.client, result(req.rid, BAD_REQUEST, "rid: already in flight for this client"))
+            self._answer(req, BAD_REQUEST, "rid: already in flight for this client")
         elif self.state is not State.SERVING:
             reason = self.broken_reason or self.state.value
             self._answer(req, UNAVAILABLE, f"service unavailable: {reason}")
@@ -289,10 +284,10 @@ class Leader:
             self._follower_counters = self.runner.exchange_counters()
         return out
 
-    def _finish(self, batch: Batch, results: list[dict], stats) -> None:
+    def _finish(self, batch: Batch, results: list[dict], consensus_s: float | None) -> None:
         """Answer each request once; forget it. Ack the sessions this batch closed."""
-        if stats is not None:
-            self.metrics.consensus_seconds.observe(stats.consensus_s)
+        if consensus_s is not None:
+            self.metrics.consensus_seconds.observe(consensus_s)
         for client, sid in self._acking:
             self._send_to_client(client, protocol.ack_close(sid))
         for req, res in zip(batch.requests, results):
@@ -331,7 +326,7 @@ class Leader:
                 and sum(r.feature_bytes for r in batch.requests) <= self.INLINE_BYTES)
 
     async def _run_on_lane(self, batch: Batch):
-        """(results, stats) of the batch; None when a second signal cut it short."""
+        """(results, consensus seconds) of the batch; None when a second signal cut it short."""
         if self._runs_inline(batch):
             try:
                 return self._lead(batch)

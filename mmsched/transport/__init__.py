@@ -1,12 +1,10 @@
-"""Feature transports. Each has one interface: ``open`` (errors as data), ``materialize``, ``release``.
+"""Feature transports. Each subclasses ``OpenedFeature``: ``open`` (errors as data), ``materialize``, ``release``.
 
 ``open_feature`` never raises: a failure is kept on the returned feature and raised by
 ``materialize``. ``release`` is idempotent, never raises, and logs what it could not do.
 """
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 
@@ -18,19 +16,6 @@ TORCH_DTYPE = {
     "float64": torch.float64, "uint8": torch.uint8, "int8": torch.int8,
     "int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
 }
-
-
-class Feature(Protocol):
-    item: Item
-    error: BaseException | None
-
-    def materialize(self) -> torch.Tensor:
-        """An owned tensor of the item's dtype and shape; raises the open error if any."""
-
-    def release(self, unlink: bool) -> bool | None:
-        """Close what this rank holds; ``unlink`` (the leader) also removes an owned segment.
-
-        Never raises; False means something could not be released (and was logged)."""
 
 
 def typed(raw: torch.Tensor, item: Item) -> torch.Tensor:
@@ -64,31 +49,25 @@ class OpenedFeature:
         raise NotImplementedError
 
     def materialize(self) -> torch.Tensor:
+        """An owned tensor of the item's dtype and shape; raises the open error if any."""
         if self.error is not None:
             raise self.error
         self._faults.check("materialize", self.rid)
         return self._read()
 
+    def release(self, unlink: bool) -> bool | None:
+        """Close what this rank holds; ``unlink`` (the leader) also removes an owned segment.
 
-class UnavailableFeature:
-    """A transport this server cannot serve here: fails at materialize, like any open error."""
-
-    __slots__ = ("item", "rid", "error")
-
-    def __init__(self, item: Item, rid: str, error: BaseException):
-        self.item, self.rid, self.error = item, rid, error
-
-    def materialize(self) -> torch.Tensor:
-        raise self.error
-
-    def release(self, unlink: bool) -> None:
-        pass
+        Never raises; False means something could not be released (and was logged)."""
+        raise NotImplementedError
 
 
-def open_feature(item: Item, rid: str, faults: Faults, lookup=None, rank: int = 0, world: int = 1) -> Feature:
+def open_feature(item: Item, rid: str, faults: Faults, lookup=None, rank: int = 0,
+                 world: int = 1) -> OpenedFeature:
     """Open one item on this rank. Never raises: errors are kept on the feature.
 
-    ``lookup(ref)`` resolves a session item to the session's stored tensor.
+    ``lookup(ref)`` resolves a session item to the session's stored tensor. The protocol
+    admits only these four transports.
     """
     from . import inline, shm
 
@@ -100,12 +79,10 @@ def open_feature(item: Item, rid: str, faults: Faults, lookup=None, rank: int = 
         return shm.ShmFeature(item, rid, faults)
     if item.transport == "inline":
         return inline.InlineFeature(item, rid, faults)
-    if item.transport == "session" and lookup is not None:
+    if item.transport == "session":
         from ..sessions import SessionFeature
 
         return SessionFeature(item, rid, faults, lookup)
-    if item.transport == "cuda_ipc":
-        from .cuda_ipc import CudaIpcFeature
+    from .cuda_ipc import CudaIpcFeature
 
-        return CudaIpcFeature(item, rid, faults, rank, world)
-    return UnavailableFeature(item, rid, NotImplementedError(f"transport {item.transport!r} is not enabled"))
+    return CudaIpcFeature(item, rid, faults, rank, world)
