@@ -110,9 +110,7 @@ class Client:
         self._curve = (server_key, client_cert) if server_key is not None else None
         self.address, self.shm_prefix, self.timeout = address, shm_prefix, timeout
         self.ipc_pool, self.shm_pool = ipc_pool, shm_pool
-        self._slices: dict[str, list[tuple[int, int]]] = {}  # rid -> ShmPool slices, freed on its result
-        self._locked: dict[str, list[Segment]] = {}  # rid -> sent segments whose lock we keep until its result
-        self._leases: dict[str, list] = {}  # rid -> pool leases, forgotten on a 400
+        self._held: dict[str, _Held] = {}  # rid -> what its features hold until its result
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -145,10 +143,9 @@ class Client:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-        for segs in self._locked.values():
-            for seg in segs:
-                seg.sent()
-        self._locked.clear()
+        for held in self._held.values():
+            held.unlock()
+        self._held.clear()
         for fut in list(self._results.values()) + list(self._pongs):
             if not fut.done():
                 fut.cancel()
@@ -190,30 +187,18 @@ class Client:
         if want_digest:
             header["want_digest"] = True
         frames: list[Any] = []
-        segments: list[Segment] = []
-        leases: list = []
-        slices: list[tuple[int, int]] = []
+        held = _Held(self)
         try:
-            header["mm_items"] = [self._item(f, frames, segments, leases, slices) for f in features]
+            header["mm_items"] = [self._item(f, frames, held) for f in features]
             fut = self.send_raw(header, frames, rid=rid)
         except BaseException:
-            for s in segments:
-                s.discard()
-            for lease in leases:
-                self.ipc_pool.forget(lease)
-            for off, n in slices:
-                self.shm_pool.free(off, n)
+            held.never_sent()
             raise
-        if segments:  # keep our shared lock until the result: no window for an orphan sweep
-            self._locked[rid] = segments
-        if leases:
-            self._leases[rid] = leases
-        if slices:
-            self._slices[rid] = slices
+        if held:
+            self._held[rid] = held
         return fut
 
-    def _item(self, f: Feature, frames: list, segments: list[Segment], leases: list,
-              slices: list[tuple[int, int]]) -> dict:
+    def _item(self, f: Feature, frames: list, held: "_Held") -> dict:
         if f.transport == "raw":
             item = dict(f.item)
             if item.get("frame") == -1:
@@ -229,13 +214,13 @@ class Client:
         if f.transport == "pooled":
             off = self.shm_pool.put(t) if self.shm_pool is not None else None
             if off is not None:
-                slices.append((off, t.numel() * t.element_size()))
+                held.slices.append((off, t.numel() * t.element_size()))
                 return dict(item, transport="shm", shm_name=self.shm_pool.name, offset=off, pooled=True)
             log.warning("shm_pool_full falling_back=shm nbytes=%d", t.numel() * t.element_size())
         if f.transport == "cuda_ipc":
             lease = self.ipc_pool.lease(t) if self.ipc_pool is not None else None
             if lease is not None:
-                leases.append(lease)
+                held.leases.append(lease)
                 return dict(item, transport="cuda_ipc", ipc=self.ipc_pool.item(t, lease))
             log.warning("ipc_pool_full falling_back=shm nbytes=%d", t.numel() * t.element_size())
         if f.transport in ("shm", "cuda_ipc", "pooled"):
@@ -244,7 +229,7 @@ class Client:
             except ShmFull as exc:
                 log.warning("shm_full falling_back=inline nbytes=%d error=%s", t.numel() * t.element_size(), exc)
             else:
-                segments.append(seg)
+                held.segments.append(seg)
                 return dict(item, transport="shm", shm_name=seg.name)
         frames.append(tensor_bytes(t))
         return dict(item, transport="inline", frame=len(frames))
@@ -306,14 +291,9 @@ class Client:
             if kind == "result":
                 res = Result.from_header(h)
                 fut = self._results.pop(res.rid, None) if res.rid is not None else None
-                for seg in self._locked.pop(res.rid, ()) if res.rid is not None else ():
-                    seg.sent()
-                for off, n in self._slices.pop(res.rid, ()) if res.rid is not None else ():
-                    self.shm_pool.free(off, n)  # every rank has finished reading it (guarantee 5)
-                leases = self._leases.pop(res.rid, None) if res.rid is not None else None
-                if leases and res.status == 400:  # no rank saw it: nobody will acknowledge
-                    for lease in leases:
-                        self.ipc_pool.forget(lease)
+                held = self._held.pop(res.rid, None) if res.rid is not None else None
+                if held is not None:
+                    held.answered(res.status)
                 if fut is None or fut.done():
                     self.unrouted.append(res)
                 else:
@@ -344,6 +324,40 @@ def _drain(sock: zmq.Socket, limit: int) -> list[list]:
         except zmq.Again:
             break
     return out
+
+
+@dataclass
+class _Held:
+    """What one request's features hold on the client side until its result arrives."""
+
+    client: Client
+    segments: list[Segment] = field(default_factory=list)  # locked until the result: no sweep window
+    slices: list[tuple[int, int]] = field(default_factory=list)  # ShmPool (offset, nbytes)
+    leases: list = field(default_factory=list)  # IpcPool leases
+
+    def __bool__(self) -> bool:
+        return bool(self.segments or self.slices or self.leases)
+
+    def unlock(self) -> None:
+        for seg in self.segments:
+            seg.sent()
+
+    def answered(self, status: int) -> None:
+        """The result arrived: no rank reads these bytes any more (contract guarantee 5)."""
+        self.unlock()
+        for off, n in self.slices:
+            self.client.shm_pool.free(off, n)
+        if status == 400:  # no rank saw it: nobody will acknowledge its slots
+            for lease in self.leases:
+                self.client.ipc_pool.forget(lease)
+
+    def never_sent(self) -> None:
+        for seg in self.segments:
+            seg.discard()
+        for lease in self.leases:
+            self.client.ipc_pool.forget(lease)
+        for off, n in self.slices:
+            self.client.shm_pool.free(off, n)
 
 
 def _ids_bin(ids) -> bytes:

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from mmsched.client import Client, inline, shm
+from mmsched.client import Client, _Held, inline, shm
 from mmsched.errors import ShmFull
 from mmsched.transport import shm as shm_mod
 from mmsched.transport.shm import create_segment
@@ -82,8 +82,9 @@ def test_what_is_left_counts_not_the_total(full_shm):
 async def test_the_client_falls_back_to_inline_and_logs_it(full_shm, client_warnings):
     t = torch.arange(SIZE // 2, dtype=torch.float32)  # 2 MiB: cannot fit
     c = Client("ipc:///nonexistent-mmsched-test.sock")  # _item needs no connection
-    frames, segments, leases, slices = [], [], [], []
-    item = c._item(shm(t, id="big"), frames, segments, leases, slices)
+    frames, held = [], _Held(c)
+    item = c._item(shm(t, id="big"), frames, held)
+    segments = held.segments
     assert item["transport"] == "inline" and item["frame"] == 1
     assert (item["dtype"], item["shape"], item["id"]) == ("float32", [SIZE // 2], "big")
     assert bytes(frames[0]) == t.numpy().tobytes()

@@ -183,7 +183,7 @@ async def test_slices_are_reused_only_after_their_result(start_server, pools):
         # while slow-1 is held by the stall fault, new slices come from elsewhere in the pool
         others = [c.send_request("embed", [1], [pooled(torch.full((64,), 9, dtype=torch.uint8))],
                                  rid=f"other-{i}") for i in range(3)]
-        offs = [off for off, _ in (c._slices[f"other-{i}"][0] for i in range(3))]
+        offs = [off for off, _ in (c._held[f"other-{i}"].slices[0] for i in range(3))]
         assert all(o not in taken for o in offs), offs
         r1 = await c.wait("slow-1", fut, timeout=30)
         for i, f in enumerate(others):
