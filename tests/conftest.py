@@ -14,6 +14,8 @@ import msgpack
 import pytest
 import zmq
 
+from mmsched.auth import secure_client
+
 SHM_DIR = "/dev/shm"
 PREFIX = "mmsched_"
 
@@ -73,12 +75,15 @@ def no_leaked_segments():
         pytest.fail(f"test leaked {len(leaked)} segment(s) in /dev/shm: {sorted(leaked)[:5]}")
 
 
-def sync_ping(addr: str, timeout: float = 1.0) -> dict | None:
-    """One ping over a fresh DEALER; None if no pong within timeout."""
+def sync_ping(addr: str, timeout: float = 1.0, server_key: str | None = None,
+              client_cert: str | None = None) -> dict | None:
+    """One ping over a fresh DEALER (CurveZMQ when keys are given); None if no pong within timeout."""
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     try:
+        if server_key is not None:
+            secure_client(s, server_key, client_cert)
         s.connect(addr)
         s.send(msgpack.packb({"v": 1, "type": "ping"}))
         if s.poll(int(timeout * 1000)):

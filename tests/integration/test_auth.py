@@ -23,7 +23,6 @@ import stat
 import subprocess
 import sys
 
-import msgpack
 import pytest
 import zmq
 import zmq.auth
@@ -43,23 +42,6 @@ def keygen(out: str, name: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mmsched", "keygen", "--out", out, "--name", name],
                           capture_output=True, text=True, timeout=60)
 
-
-def curve_ping(addr: str, server_public: str | None = None, client_secret: str | None = None,
-               timeout: float = 1.0) -> dict | None:
-    """One ping over a fresh DEALER (Curve when keys are given); None if nothing comes back."""
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    try:
-        if server_public is not None:
-            s.curve_serverkey = zmq.auth.load_certificate(server_public)[0]
-            s.curve_publickey, s.curve_secretkey = zmq.auth.load_certificate(client_secret)
-        s.connect(addr)
-        s.send(msgpack.packb({"v": 1, "type": "ping"}))
-        if s.poll(int(timeout * 1000)):
-            return msgpack.unpackb(s.recv(), raw=False)
-        return None
-    finally:
-        s.close(linger=0)
 
 
 class Keys:
@@ -120,7 +102,7 @@ def _wait_ready(srv: Server, keys: Keys | None, timeout: float = 90.0) -> None:
         if keys is None:
             pong = sync_ping(srv.addr, 0.5)
         else:
-            pong = curve_ping(srv.addr, keys.path("server.key"), keys.path("alice.key_secret"), 0.5)
+            pong = sync_ping(srv.addr, 0.5, keys.path("server.key"), keys.path("alice.key_secret"))
         if pong is not None:
             return
     raise TimeoutError(f"server not ready:\n{srv.logs()}")
@@ -190,7 +172,7 @@ async def test_curve_serves_only_allowed_keys(servers):
             assert r2.status == 200, r2
     assert "mallory-1" not in srv.logs() and "plain-1" not in srv.logs()  # nothing reached mmsched
     assert "curve_enabled clients=1" in srv.logs()
-    assert curve_ping(srv.addr, keys.path("server.key"), keys.path("alice.key_secret"), 5.0)["healthy"] is True
+    assert sync_ping(srv.addr, 5.0, keys.path("server.key"), keys.path("alice.key_secret"))["healthy"] is True
 
 
 async def test_loopback_tcp_needs_no_keys(servers):
