@@ -105,7 +105,8 @@ def pid_alive(pid: int) -> bool:
 class Server:
     """A real ``mmsched serve`` subprocess on a private ipc:// address."""
 
-    def __init__(self, *args: str, tmp_dir: str, env: dict | None = None):
+    def __init__(self, *args: str, tmp_dir: str, env: dict | None = None, ready_timeout: float = 90.0):
+        self.ready_timeout = ready_timeout
         self.addr = f"ipc:///tmp/mmsched-test-{uuid.uuid4().hex[:10]}.sock"
         self.log_path = os.path.join(tmp_dir, f"server-{uuid.uuid4().hex[:6]}.log")
         self._log = open(self.log_path, "wb")
@@ -142,13 +143,18 @@ class Server:
             raise
 
     def __enter__(self) -> "Server":
-        """``with Server(...) as srv``: ready inside, stopped (and killed if need be) after."""
-        self.wait_ready()
+        """``with Server(...) as srv``: ready inside; stopped after (and its process group
+        killed), even when a test broke it."""
+        try:
+            self.wait_ready(self.ready_timeout)
+        except BaseException:
+            self.kill_all()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
         try:
-            self.stop(timeout=20)
+            self.stop(timeout=30)
         except subprocess.TimeoutExpired:
             pass
         finally:

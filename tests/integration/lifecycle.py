@@ -16,7 +16,6 @@ import torch
 
 from mmsched.client import Client, Result
 
-from ..conftest import Server
 
 SHM_DIR = "/dev/shm"
 
@@ -63,22 +62,6 @@ async def hold_lane(c: Client, rid: str, settle: float = 0.5) -> asyncio.Future:
     return fut
 
 
-
-
-@contextlib.contextmanager
-def running_group(tmp_dir: str, *args: str, ready_timeout: float = 90.0):
-    """A ready ``mmsched serve`` for a module's tests; always reaped, even if a test broke it."""
-    srv = Server(*args, tmp_dir=tmp_dir)
-    try:
-        srv.wait_ready(timeout=ready_timeout)
-        yield srv
-    finally:
-        try:
-            if srv.proc.poll() is None:
-                srv.stop(timeout=30)
-        except Exception:  # noqa: BLE001 - the kill below reaps it
-            pass
-        srv.kill_all()
 
 
 def expect(r: Result, status: int, *, err_type: str | None = None) -> Result:

@@ -19,7 +19,8 @@ import pytest
 
 from mmsched.client import Client, shm
 
-from .lifecycle import (expect, feature, hold_lane, my_segments, no_extra_results, running_group,
+from ..conftest import Server
+from .lifecycle import (expect, feature, hold_lane, my_segments, no_extra_results,
                         sha256_of)
 
 STALL_S = 2
@@ -35,7 +36,7 @@ ARGS = (
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    with running_group(str(tmp_path_factory.mktemp("abort")), *ARGS) as srv:
+    with Server(*ARGS, tmp_dir=str(tmp_path_factory.mktemp("abort"))) as srv:
         yield srv
 
 

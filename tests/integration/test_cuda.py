@@ -11,7 +11,8 @@ import torch
 
 from mmsched.client import Client, cuda_ipc, shm
 
-from .lifecycle import expect, no_extra_results, running_group, sha256_of
+from ..conftest import Server
+from .lifecycle import expect, no_extra_results, sha256_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available())")
 
@@ -20,8 +21,8 @@ SLOT = 1 << 16
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    with running_group(str(tmp_path_factory.mktemp("cuda")), "--tp", "2",
-                       "--fault", "1:open:cudafail-*") as srv:
+    with Server("--tp", "2", "--fault", "1:open:cudafail-*",
+                tmp_dir=str(tmp_path_factory.mktemp("cuda"))) as srv:
         yield srv
 
 

@@ -87,15 +87,9 @@ def drills(tmp_path_factory):
                  "--fault", "0:stall:ls-*", "--fault", "1:stall:cg-*",
                  tmp_dir=str(tmp_path_factory.mktemp("drills")))
     srv.admin = f"http://127.0.0.1:{port}"
-    try:
-        srv.wait_ready(timeout=90)
+    with srv:
         srv.pids = srv.rank_pids()
         yield srv
-    finally:
-        try:
-            srv.stop(timeout=30)
-        finally:
-            srv.kill_all()
 
 
 # ---------------------------------------------------------------- faults at each stage, on the other rank

@@ -66,16 +66,9 @@ GROUP_ARGS = (
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    srv = Server(*GROUP_ARGS, tmp_dir=str(tmp_path_factory.mktemp("fuzzgroup")))
-    try:
-        srv.wait_ready(timeout=90)
+    with Server(*GROUP_ARGS, tmp_dir=str(tmp_path_factory.mktemp("fuzzgroup"))) as srv:
         srv.pids = srv.rank_pids()
         yield srv
-    finally:
-        try:
-            srv.stop(timeout=30)
-        finally:
-            srv.kill_all()
 
 
 

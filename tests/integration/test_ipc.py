@@ -14,7 +14,8 @@ import torch
 from mmsched.client import Client, cuda_ipc, ref, shm
 from mmsched.transport.cuda_ipc import IpcPool, ShmDevice
 
-from .lifecycle import captured, expect, feature, hold_lane, my_segments, no_extra_results, running_group, sha256_of
+from ..conftest import Server
+from .lifecycle import captured, expect, feature, hold_lane, my_segments, no_extra_results, sha256_of
 
 ARGS = (
     "--tp", "2",
@@ -27,7 +28,7 @@ SLOT = 4096
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    with running_group(str(tmp_path_factory.mktemp("ipc")), *ARGS) as srv:
+    with Server(*ARGS, tmp_dir=str(tmp_path_factory.mktemp("ipc"))) as srv:
         yield srv
 
 

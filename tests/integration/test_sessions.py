@@ -16,7 +16,8 @@ import torch
 
 from mmsched.client import Client, inline, ref, shm
 
-from .lifecycle import (expect, feature, hold_lane, my_segments, no_extra_results, running_group,
+from ..conftest import Server
+from .lifecycle import (expect, feature, hold_lane, my_segments, no_extra_results,
                         sha256_of)
 
 MAX_BYTES = 64 * 1024  # --session-max-bytes: all sessions together
@@ -34,14 +35,14 @@ ARGS = (
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    with running_group(str(tmp_path_factory.mktemp("sessions")), *ARGS) as srv:
+    with Server(*ARGS, tmp_dir=str(tmp_path_factory.mktemp("sessions"))) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def idle_group(tmp_path_factory):
-    with running_group(str(tmp_path_factory.mktemp("idle")), "--tp", "2",
-                       "--session-idle-timeout", "1") as srv:
+    with Server("--tp", "2", "--session-idle-timeout", "1",
+                tmp_dir=str(tmp_path_factory.mktemp("idle"))) as srv:
         yield srv
 
 
