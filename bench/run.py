@@ -173,6 +173,9 @@ def latency(procs: dict[str, Proc], tput: list[dict], quick: bool) -> list[dict]
     dur = 2.0 if quick else 4.0
     for target in ("tp1", "tp2"):
         rate = 0.5 * text[target]["rate"]
+        if rate <= 0:  # nothing completed: no rate to halve, so no latency row (the throughput row says why)
+            print(f"  latency {target}: skipped, its throughput run completed nothing", file=sys.stderr, flush=True)
+            continue
         ours = load(procs[target].addr, 0, 0, "shm", rate=rate, requests=int(rate * dur) + 1, duration=dur + 1)
         bare = load(procs["bare"].addr, 0, 0, "shm", rate=rate, requests=int(rate * dur) + 1, duration=dur + 1)
         rows.append({"target": target, "rate": rate, "ours": ours, "bare": bare})
@@ -234,7 +237,7 @@ def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: d
     for r in lat:
         tp = r["target"][-1]
         for q in ("p50", "p99"):
-            o, b = r["ours"][f"{q}_ms"], r["bare"][f"{q}_ms"]
+            o, b = r["ours"][f"{q}_ms"] or 0.0, r["bare"][f"{q}_ms"] or 0.0  # None: no result came back
             add("latency", f"tp={tp} text-only {q} @ {r['rate']:.0f} req/s (0.5 x max)", f"{o:.2f} ms",
                 f"{b:.2f} ms", b / o if o else 0.0, None, "bare ROUTER, same rate")
     if rem.get("rows"):

@@ -23,7 +23,7 @@ from .metrics import RankCounters
 from .remote import ForwardedFeature, Topology
 from .protocol import ABORTED, INTERNAL, OK, UNAVAILABLE, Request, result
 from .sessions import SessionStore
-from .transport import open_feature
+from .transport import open_feature, prune_idle
 from .transport.cuda_ipc import acknowledge
 
 
@@ -58,12 +58,15 @@ def digest_prefix(digests: list[str]) -> int:
 class BatchRunner:
     """Runs one batch on this rank. ``is_aborted`` is the leader's view of client aborts."""
 
+    PRUNE_EVERY_S = 1.0  # how often idle cached pools are checked against their files
+
     def __init__(self, group, engine: Engine, faults: Faults, unlinks: bool, sessions: SessionStore,
                  is_aborted=lambda req: False, topology: Topology | None = None):
         self.group, self.engine, self.faults = group, engine, faults
         self.topology = topology or Topology.single()
         self.unlinks, self.sessions, self.is_aborted = unlinks, sessions, is_aborted
         self.counters = RankCounters()
+        self._next_prune = 0.0
 
     def exchange_counters(self) -> dict[int, dict]:
         """A collective: every rank's counter snapshot, by rank (the leader keeps them for /metrics)."""
@@ -73,7 +76,12 @@ class BatchRunner:
         return lambda ref: self.sessions.lookup(session_id, ref)
 
     def run(self, batch: Batch) -> tuple[list[dict], float | None]:
-        """Results (built on every rank, sent by the leader) and the consensus's seconds."""
+        """Results (built on every rank, sent by the leader) and the consensus's seconds.
+
+        Runs for every batch, heartbeats included, so idle ranks still drop stale pools."""
+        if (now := time.monotonic()) >= self._next_prune:
+            self._next_prune = now + self.PRUNE_EVERY_S
+            prune_idle()
         reqs = batch.requests
         n = len(reqs)
         for sid in batch.closes:  # 0. sessions closed or idle, in stream order

@@ -146,9 +146,13 @@ class Client:
         for held in self._held.values():
             held.unlock()
         self._held.clear()
-        for fut in list(self._results.values()) + list(self._pongs):
+        pending = [*self._results.values(), *self._pongs, *(f for q in self._acks.values() for f in q)]
+        for fut in pending:  # no reply can come any more: every waiter is woken (cancelled)
             if not fut.done():
                 fut.cancel()
+        self._results.clear()
+        self._pongs.clear()
+        self._acks.clear()
 
     # ------------------------------------------------------------ requests
     def new_rid(self) -> str:

@@ -29,7 +29,7 @@ class BadRequest(MMSchedError):
 
 
 class FeatureError(MMSchedError):
-    """A feature failed on this rank; str() reads ``Type: message`` of the cause."""
+    """A feature failed on this rank; the 500 names it as ``describe(exc)`` gives it (``FeatureError: ...``)."""
 
 
 class InjectedFault(FeatureError):

@@ -44,14 +44,12 @@ class Follower:
 
     def __init__(self, cfg: Config, runner: BatchRunner, lane: Lane):
         self.cfg, self.runner, self.lane = cfg, runner, lane
-        self.state = State.SERVING
 
     def _follow(self) -> bool:
         batch = Batch.decode(self.runner.group.broadcast(None))
         if batch.stop:
             return False
-        if not batch.empty:
-            self.runner.run(batch)
+        self.runner.run(batch)
         if batch.gather_stats:
             self.runner.exchange_counters()
         return True
@@ -62,10 +60,8 @@ class Follower:
             while await self.lane.run(self._follow, timeout_s=deadline):
                 pass
         except GroupBroken as exc:
-            self.state = State.BROKEN
             event("group_broken", logging.ERROR, reason=str(exc))
             return 3
-        self.state = State.STOPPED
         return 0
 
 
@@ -279,7 +275,7 @@ class Leader:
         """On the lane: 2. broadcast the batch to followers, 3. run it here."""
         if self.world > 1:
             self.runner.group.broadcast(batch.encode())
-        out = self.runner.run(batch) if not batch.empty else ([], None)
+        out = self.runner.run(batch)
         if batch.gather_stats:
             self._follower_counters = self.runner.exchange_counters()
         return out
@@ -399,7 +395,7 @@ class Leader:
                 event("stop_broadcast_failed", logging.WARNING, reason=str(exc))
 
     def _answer_all(self, status: int, message: str) -> None:
-        """Answer everything queued (and, when broken, in flight) and unlink its segments."""
+        """Answer everything still queued (in-flight work: ``_answer_inflight``) and unlink its segments."""
         for req in list(self.queue.values()):
             self._answer(req, status, message)
         self.queue.clear()

@@ -104,5 +104,6 @@ class SessionFeature(OpenedFeature):
     def _read(self) -> torch.Tensor:
         return self._tensor
 
-    def release(self, unlink: bool) -> None:
+    def release(self, unlink: bool) -> bool:
         self._tensor = None  # the session keeps its own reference
+        return True

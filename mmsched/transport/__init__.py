@@ -55,11 +55,20 @@ class OpenedFeature:
         self._faults.check("materialize", self.rid)
         return self._read()
 
-    def release(self, unlink: bool) -> bool | None:
+    def release(self, unlink: bool) -> bool:
         """Close what this rank holds; ``unlink`` (the leader) also removes an owned segment.
 
-        Never raises; False means something could not be released (and was logged)."""
+        Never raises; idempotent; False means something could not be released (and was logged)."""
         raise NotImplementedError
+
+
+def prune_idle() -> int:
+    """Close cached pool descriptors and attachments whose file is gone or replaced and that
+    no feature reads now: a pool its owner unlinked is freed, not kept alive by this rank."""
+    from .cuda_ipc import ATTACHED
+    from .shm_pool import POOLS
+
+    return POOLS.prune() + ATTACHED.prune()
 
 
 def open_feature(item: Item, rid: str, faults: Faults, lookup=None, rank: int = 0,

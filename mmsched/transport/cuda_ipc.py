@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,6 +33,7 @@ from ..faults import Faults
 from ..log import event
 from ..protocol import Item
 from . import OpenedFeature, typed
+from .leases import LeasedCache
 from .shm import create_segment, read_into, shm_path, tensor_bytes
 
 
@@ -50,6 +51,9 @@ class Device(Protocol):
 
     def copy_out(self, pool: object, offset: int, nbytes: int) -> torch.Tensor:
         """Consumer: copy a slice into memory this rank owns (uint8)."""
+
+    def is_current(self, handle: bytes, pool: object) -> bool:
+        """Consumer: whether an attachment still shows the buffer ``handle`` names now."""
 
     def detach(self, pool: object) -> None: ...
 
@@ -82,10 +86,14 @@ class ShmDevice:
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise FeatureError(f"pool {name} is not a regular shared-memory segment")
-        return (fd, name, st.st_size)
+        return (fd, name, st.st_size, st.st_ino)
+
+    def is_current(self, handle, pool):
+        """A pool re-created under its name is a new buffer: attach it anew."""
+        return _same_file(pool[1], pool[3], pool[2])
 
     def copy_out(self, pool, offset, nbytes):
-        fd, name, size = pool
+        fd, name, size, _ = pool
         if offset + nbytes > size:
             raise FeatureError(f"pool {name} holds {size} bytes; slice ends at {offset + nbytes}")
         out = torch.empty(nbytes, dtype=torch.uint8)
@@ -140,6 +148,10 @@ class CudaDevice:
         torch.cuda.current_stream(self.device).synchronize()
         return out
 
+    def is_current(self, handle, pool):
+        """A CUDA IPC handle names one allocation (with its own ref-counter file): never replaced."""
+        return True
+
     def detach(self, pool):
         del pool
 
@@ -166,6 +178,7 @@ class AckBoard:
 
     def __init__(self, name: str, slots: int, ranks: int, fd: int, segment=None):
         self.name, self.slots, self.ranks, self._fd, self._segment = name, slots, ranks, fd, segment
+        self.inode = os.fstat(fd).st_ino
 
     @classmethod
     def create(cls, prefix: str, slots: int, ranks: int) -> "AckBoard":
@@ -175,6 +188,10 @@ class AckBoard:
     @classmethod
     def open(cls, name: str) -> "AckBoard":
         return cls(name, 0, 0, os.open(shm_path(name), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW))
+
+    def is_current(self) -> bool:
+        """Still the board under its name: acks for a re-created pool go to its new board."""
+        return _same_file(self.name, self.inode)
 
     def ack(self, slot: int, rank: int, ranks: int, generation: int) -> None:
         if not 0 <= rank < ranks:  # it would land in another slot's cell and free an unread lease
@@ -271,35 +288,31 @@ class IpcPool:
 
 # ---------------------------------------------------------------- consumer: the feature
 
+def _same_file(name: str, inode: int, size: int | None = None) -> bool:
+    try:
+        st = os.stat(shm_path(name))
+    except OSError:
+        return False
+    return st.st_ino == inode and (size is None or st.st_size == size)
+
+
 class _Attachments:
-    """Per-rank caches of attached pools and ack boards, bounded (LRU)."""
+    """Per rank: attached pools and opened ack boards, each leased by its readers (``leases.py``)."""
 
     def __init__(self, limit: int = 16):
-        self.limit = limit
-        self.pools: OrderedDict[tuple, tuple[Device, object]] = OrderedDict()
-        self.boards: OrderedDict[str, AckBoard] = OrderedDict()
+        self.pools: LeasedCache[tuple[str, bytes], tuple[Device, object]] = LeasedCache(
+            "ipc_pools", self._attach, lambda entry: entry[0].detach(entry[1]),
+            lambda key, entry: entry[0].is_current(key[1], entry[1]), limit)
+        self.boards: LeasedCache[str, AckBoard] = LeasedCache(
+            "ack_boards", AckBoard.open, AckBoard.close, lambda name, board: board.is_current(), limit)
 
-    def pool(self, kind: str, handle: bytes) -> tuple[Device, object]:
-        key = (kind, handle)
-        if key in self.pools:
-            self.pools.move_to_end(key)
-            return self.pools[key]
-        dev = device_for(kind)
-        entry = (dev, dev.attach(handle))
-        self.pools[key] = entry
-        if len(self.pools) > self.limit:
-            _, (old_dev, old) = self.pools.popitem(last=False)
-            old_dev.detach(old)
-        return entry
+    @staticmethod
+    def _attach(key: tuple[str, bytes]) -> tuple[Device, object]:
+        dev = device_for(key[0])
+        return dev, dev.attach(key[1])
 
-    def board(self, name: str) -> AckBoard:
-        if name in self.boards:
-            self.boards.move_to_end(name)
-            return self.boards[name]
-        b = self.boards[name] = AckBoard.open(name)
-        if len(self.boards) > self.limit:
-            self.boards.popitem(last=False)[1].close()
-        return b
+    def prune(self) -> int:
+        return self.pools.prune() + self.boards.prune()
 
 
 ATTACHED = _Attachments()
@@ -309,9 +322,12 @@ def acknowledge(item: Item, ranks: range | list[int], rid: str | None = None) ->
     """Write this lease's generation for ``ranks``; never raises (logs)."""
     ipc = item.ipc
     try:
-        board = ATTACHED.board(ipc["acks"])
-        for r in ranks:
-            board.ack(ipc["slot"], r, ipc["ranks"], ipc["generation"])
+        lease = ATTACHED.boards.lease(ipc["acks"])
+        try:
+            for r in ranks:
+                lease.handle.ack(ipc["slot"], r, ipc["ranks"], ipc["generation"])
+        finally:
+            ATTACHED.boards.release(lease)
     except Exception as exc:  # noqa: BLE001 - a release path
         event("ack_failed", logging.WARNING, rid=rid, acks=ipc.get("acks"), error=describe(exc))
 
@@ -326,13 +342,13 @@ class CudaIpcFeature(OpenedFeature):
     def _open(self) -> None:
         if self.item.ipc["ranks"] < self.world:
             raise FeatureError(f"ack board has {self.item.ipc['ranks']} rank columns, the group has {self.world}")
-        self._pool = ATTACHED.pool(self.item.ipc["device"], self.item.ipc["handle"])
+        self._pool = ATTACHED.pools.lease((self.item.ipc["device"], self.item.ipc["handle"]))
 
     def _open_failed(self) -> None:
         self._ack()  # this rank will never read it: say so now, not at release
 
     def _read(self) -> torch.Tensor:
-        dev, pool = self._pool
+        dev, pool = self._pool.handle
         try:
             raw = dev.copy_out(pool, self.item.ipc["offset"], self.item.nbytes)
         finally:
@@ -344,6 +360,9 @@ class CudaIpcFeature(OpenedFeature):
             self._acked = True
             acknowledge(self.item, [self.rank], self.rid)
 
-    def release(self, unlink: bool) -> None:
+    def release(self, unlink: bool) -> bool:
         self._ack()  # failed or aborted before copying: acknowledge without reconstruction
-        self._pool = None
+        if self._pool is not None:  # the attachment stays cached for the pool's next request
+            ATTACHED.pools.release(self._pool)
+            self._pool = None
+        return True

@@ -78,7 +78,7 @@ class ShmFeature(OpenedFeature):
                 event("release_failed", logging.WARNING, rid=self.rid, shm=name, error=describe(exc))
                 ok = False
             self._fd = -1
-        if unlink and not self.item.pooled:
+        if unlink:
             missing_ok = isinstance(self.error, FileNotFoundError)
             self.unlinked = unlink_segment(name, self.rid, quiet_if_missing=missing_ok)
             ok = (self.unlinked or missing_ok) and ok

@@ -3,7 +3,8 @@
 Measured on this machine (bench/materialize.py): reading a slice of a pool kept open
 costs a fraction of a fresh segment's open + read + unlink. So each rank keeps a bounded
 cache of open pools, keyed by name and checked against the inode on every use (a pool
-replaced under the same name is reopened), and never unlinks one. Slices are read with
+replaced under the same name is reopened), and never unlinks one. Each feature leases
+its pool until it is released (``leases.py``): a descriptor is never closed under a read. Slices are read with
 pread, not copied out of a mapping: the owner may truncate its pool at any moment, and a
 mapping touched past the file's end is a SIGBUS that kills the rank, where a short read
 is an error for one request. (A kept mapping copies faster, ~1.1x vs ~0.7x of an
@@ -16,16 +17,13 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
-from collections import OrderedDict
-
 import torch
 
 from ..errors import FeatureError
 from ..faults import Faults
-from ..log import event
 from ..protocol import Item
 from . import OpenedFeature, typed
+from .leases import LeasedCache
 from .shm import SegmentTooSmall, create_segment, read_into, shm_path, tensor_bytes
 
 
@@ -49,86 +47,61 @@ class _OpenPool:
             os.close(self.fd)
             raise
 
+    def is_current(self) -> bool:
+        """Still the file under its name, at the size it had (a pool is replaced, never resized)."""
+        try:
+            st = os.stat(shm_path(self.name))
+        except OSError:
+            return False
+        return st.st_ino == self.inode and st.st_size == self.size
+
     def close(self) -> None:
         os.close(self.fd)
 
 
-class PoolCache:
-    """Per rank: open pools by name, least recently used first out; never unlinks."""
+class PoolCache(LeasedCache[str, _OpenPool]):
+    """Per rank: open pools by name, checked against the file on every lease; never unlinks.
+
+    ``limit`` bounds the idle pools kept open; a batch naming more still reads each one."""
 
     def __init__(self, limit: int = 32):
-        self.limit = limit
-        self._pools: OrderedDict[str, _OpenPool] = OrderedDict()
-        self._lock = threading.Lock()
-        self.replaced = 0
-
-    def get(self, name: str) -> _OpenPool:
-        with self._lock:
-            pool = self._pools.get(name)
-            if pool is not None:
-                try:
-                    st = os.stat(shm_path(name))
-                except FileNotFoundError:
-                    self._drop(name)
-                    raise
-                if st.st_ino == pool.inode and st.st_size == pool.size:
-                    self._pools.move_to_end(name)
-                    return pool
-                self.replaced += 1
-                event("pool_replaced", shm=name, old_inode=pool.inode, new_inode=st.st_ino)
-                self._drop(name)
-            pool = self._pools[name] = _OpenPool(name)
-            while len(self._pools) > self.limit:
-                self._pools.popitem(last=False)[1].close()
-            return pool
-
-    def _drop(self, name: str) -> None:
-        pool = self._pools.pop(name, None)
-        if pool is not None:
-            pool.close()
-
-    def clear(self) -> None:
-        with self._lock:
-            for name in list(self._pools):
-                self._drop(name)
-
-    def __len__(self) -> int:
-        return len(self._pools)
-
-    def __repr__(self) -> str:
-        return f"<PoolCache mapped={len(self._pools)}/{self.limit} replaced={self.replaced}>"
+        super().__init__("shm_pools", _OpenPool, _OpenPool.close, lambda name, pool: pool.is_current(), limit)
 
 
 POOLS = PoolCache()
 
 
 class PooledFeature(OpenedFeature):
-    """A slice of a client's pool, read (pread) through the cached descriptor; nothing to unlink.
+    """A slice of a client's pool, read (pread) through a leased descriptor; nothing to unlink.
 
-    Never copied out of the mapping itself: the owner may truncate its pool at any time, and
-    touching a mapping past the end of its file is a SIGBUS that would take the rank down."""
+    The lease keeps the descriptor open until ``release``, so its number is never reused
+    under this read. Never copied out of a mapping: the owner may truncate its pool at any
+    time, and touching a mapping past the end of its file is a SIGBUS that would take the
+    rank down; a short read is an error for this request only."""
 
-    __slots__ = ("_pool", "_cache")
+    __slots__ = ("_lease", "_cache")
 
     def __init__(self, item: Item, rid: str, faults: Faults, cache: PoolCache = POOLS):
-        self._pool, self._cache = None, cache
+        self._lease, self._cache = None, cache
         super().__init__(item, rid, faults)
 
     def _open(self) -> None:
         item = self.item
-        self._pool = self._cache.get(item.shm_name)
-        if item.offset + item.nbytes > self._pool.size:
-            raise SegmentTooSmall(f"pool {item.shm_name} holds {self._pool.size} bytes; offset "
+        self._lease = self._cache.lease(item.shm_name)
+        pool = self._lease.handle
+        if item.offset + item.nbytes > pool.size:
+            raise SegmentTooSmall(f"pool {item.shm_name} holds {pool.size} bytes; offset "
                                   f"{item.offset} + nbytes {item.nbytes} = {item.offset + item.nbytes}")
 
     def _read(self) -> torch.Tensor:
         raw = torch.empty(self.item.nbytes, dtype=torch.uint8)
-        # a pool its owner shrank gives a short read: SegmentTooSmall for this request only
-        read_into(self._pool.fd, raw.numpy(), self.item.offset, self.item.shm_name)
+        read_into(self._lease.handle.fd, raw.numpy(), self.item.offset, self.item.shm_name)
         return typed(raw, self.item)
 
     def release(self, unlink: bool) -> bool:
-        self._pool = None  # the cache keeps the pool open; a pool is never unlinked by mmsched
+        if self._lease is not None:  # the cache keeps the pool open for the next request
+            self._cache.release(self._lease)
+            self._lease = None
         return True
 
 

@@ -35,6 +35,18 @@ def feature(seed: int, shape=(8, 32), dtype=torch.float32) -> torch.Tensor:
     return torch.randn(*shape, generator=g).to(dtype)
 
 
+def replace_segment(name: str, data: bytes) -> None:
+    """Another segment under the same name, as an owner re-creating its pool does: unlink,
+    then create anew (a new inode) holding ``data``."""
+    path = os.path.join(SHM_DIR, name)
+    os.unlink(path)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
 def wait_until(cond, timeout: float, what: str, step: float = 0.05):
     deadline = time.monotonic() + timeout
     while True:

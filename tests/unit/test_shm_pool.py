@@ -18,6 +18,7 @@ from mmsched.protocol import Item
 from mmsched.sweep import sweep
 from mmsched.transport.shm import shm_path
 from mmsched.transport.shm_pool import PoolCache, PooledFeature, ShmPool
+from tests.integration.lifecycle import replace_segment
 
 NO_FAULTS = Faults([], 0)
 
@@ -41,14 +42,11 @@ def item(name: str, offset: int, nbytes: int) -> Item:
                 shm_name=name, offset=offset, pooled=True)
 
 
-def replace_segment(name: str, data: bytes) -> None:
-    """Another segment under the same name: unlink, create anew (a new inode)."""
-    os.unlink(shm_path(name))
-    fd = os.open(shm_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
+def current(cache: PoolCache, name: str):
+    """The pool the cache reads ``name`` through now (leased and given back at once)."""
+    lease = cache.lease(name)
+    cache.release(lease)
+    return lease.handle
 
 
 def read(cache: PoolCache, name: str, offset: int, nbytes: int) -> bytes:
@@ -111,15 +109,15 @@ def test_replaced_pool_is_detected_and_remapped(pools):
     cache = PoolCache()
     try:
         assert read(cache, pool.name, 0, 16) == b"\x01" * 16
-        first = cache.get(pool.name)
-        assert cache.replaced == 0
+        first = current(cache, pool.name)
+        assert cache.num_replaced == 0
         replace_segment(pool.name, b"\x07" * 4096)  # same name, same size, new inode
         assert read(cache, pool.name, 0, 16) == b"\x07" * 16
-        assert cache.replaced == 1
-        assert cache.get(pool.name) is not first and len(cache) == 1
+        assert cache.num_replaced == 1
+        assert current(cache, pool.name) is not first and len(cache) == 1
         assert "replaced=1" in repr(cache)
         assert read(cache, pool.name, 100, 16) == b"\x07" * 16  # mapped once: no second replacement
-        assert cache.replaced == 1
+        assert cache.num_replaced == 1
     finally:
         cache.clear()
 
@@ -131,7 +129,7 @@ def test_a_resized_pool_is_remapped_too(pools):
         read(cache, pool.name, 0, 8)
         os.truncate(shm_path(pool.name), 8192)  # same inode, new size: map it again
         assert read(cache, pool.name, 8000, 8) == b"\0" * 8
-        assert cache.replaced == 1 and cache.get(pool.name).size == 8192
+        assert cache.num_replaced == 1 and current(cache, pool.name).size == 8192
     finally:
         cache.clear()
 
@@ -140,12 +138,10 @@ def test_cache_never_unlinks_and_evicts_least_recently_used(pools):
     a, b, c = pools(4096), pools(4096), pools(4096)
     cache = PoolCache(limit=2)
     try:
-        cache.get(a.name)
-        cache.get(b.name)
-        cache.get(a.name)          # a is now the most recently used
-        cache.get(c.name)          # evicts b
+        for name in (a.name, b.name, a.name, c.name):  # a is used after b; c's lease evicts b
+            current(cache, name)
         assert len(cache) == 2
-        assert set(cache._pools) == {a.name, c.name}
+        assert set(cache._entries) == {a.name, c.name}
         f = PooledFeature(item(c.name, 0, 64), "r", NO_FAULTS, cache)
         f.materialize()
         assert f.release(unlink=True) is True  # a pooled feature never unlinks, even on the leader

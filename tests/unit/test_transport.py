@@ -51,11 +51,11 @@ def make(segments: list, data, size: int | None = None) -> str:
     return seg.name
 
 
-def shm_item(name: str, dtype: str, shape, offset: int = 0, pooled: bool = False) -> Item:
+def shm_item(name: str, dtype: str, shape, offset: int = 0) -> Item:
     """An item exactly as the leader would decode it from a request."""
     header = {"v": 1, "type": "embed", "rid": "t", "input_ids": [1],
               "mm_items": [{"modality": "image", "transport": "shm", "dtype": dtype, "shape": list(shape),
-                            "shm_name": name, "offset": offset, "pooled": pooled}]}
+                            "shm_name": name, "offset": offset}]}
     return decode([msgpack.packb(header)], LIMITS).items[0]
 
 
@@ -255,20 +255,6 @@ def test_release_without_unlink_leaves_segment_and_drops_lock(segments):
     assert os.path.exists(shm_path(name))
     assert exclusively_lockable(name)
     f.release(unlink=True)  # already released: idempotent, does not unlink now
-    assert os.path.exists(shm_path(name))
-
-
-def test_pooled_segment_is_never_unlinked(segments):
-    t = sample(torch.uint8, (2, 8))
-    name = make(segments, t)
-    for _ in range(3):  # the pool is read again and again
-        f = ShmFeature(shm_item(name, "uint8", t.shape, pooled=True), "r", NO_FAULTS)
-        assert torch.equal(f.materialize(), t)
-        f.release(unlink=True)
-        assert os.path.exists(shm_path(name))
-    bad = ShmFeature(shm_item(name, "uint8", (100,), pooled=True), "r", NO_FAULTS)
-    assert isinstance(bad.error, SegmentTooSmall)
-    bad.release(unlink=True)
     assert os.path.exists(shm_path(name))
 
 

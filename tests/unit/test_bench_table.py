@@ -1,0 +1,30 @@
+"""bench/run.py's table survives a run in which a target completed nothing (rate 0)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_bench_run():
+    spec = importlib.util.spec_from_file_location("bench_run", os.path.join(ROOT, "bench", "run.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def dead_run() -> dict:
+    return {"rate": 0.0, "sent": 10, "completed": 0, "lost": 10, "p50_ms": None, "p99_ms": None,
+            "statuses": {}, "leaked": 0, "ok": False}
+
+
+def test_a_zero_rate_gives_a_table_not_a_crash():
+    bench = load_bench_run()
+    tput = [{"workload": "text-only", "concurrency": 128, "bare": dead_run(), "tp1": dead_run(), "tp2": dead_run()}]
+    assert bench.latency({}, tput, quick=True) == []  # nothing to halve: no load is run, no division by 0
+    lat = [{"target": "tp1", "rate": 100.0, "ours": dead_run(), "bare": dead_run()}]
+    text, rows = bench.table([], tput, lat, {}, {})
+    assert "tp=1 text-only (C=128)" in text and "tp=1 text-only p50" in text
+    assert {r["ratio"] for r in rows if r["section"] in ("throughput", "latency")} == {0.0}
