@@ -151,6 +151,9 @@ def _add_loadtest_flags(p: argparse.ArgumentParser) -> None:
                    help="fraction made bad by the client: missing segment, too-small segment, bad name")
     p.add_argument("--abort-rate", type=float, default=0.0, metavar="F", help="fraction aborted right after sending")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verify", action="store_true",
+                   help="ask for digests and check every 200 against the SHA-256 of the bytes sent; "
+                        "a mismatch is a failure (exit 1)")
     p.add_argument("--pool-mb", type=float, metavar="MB", help="size of the client's ShmPool (default: sized to the load)")
     p.add_argument("--json", metavar="FILE", help="write the report (summary and raw per-request rows)")
     p.add_argument("--plot", metavar="FILE", help="write a PNG of latency over time (needs mmsched[plot])")
@@ -158,7 +161,8 @@ def _add_loadtest_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _loadtest(args: argparse.Namespace) -> int:
-    """Thin: flags → LoadSpec → run → table (and JSON, plot); exit 1 on a lost result or a leak."""
+    """Thin: flags → LoadSpec → run → table (and JSON, plot); exit 1 on a lost result, a leak or
+    (``--verify``) a 200 carrying bytes that were not sent."""
     from . import loadgen
 
     try:
@@ -172,7 +176,7 @@ def _loadtest(args: argparse.Namespace) -> int:
         item_bytes=args.item_bytes, transports=args.transport, session_turns=args.session_turns,
         fail_rate=args.fail_rate, client_faults=args.client_faults, abort_rate=args.abort_rate, seed=args.seed,
         shm_prefix=cfg.shm_prefix, pool_bytes=int(args.pool_mb * (1 << 20)) if args.pool_mb else None,
-        progress=not args.quiet and sys.stderr.isatty())
+        verify=args.verify, progress=not args.quiet and sys.stderr.isatty())
     try:
         spec.validate()
     except ValueError as exc:

@@ -44,6 +44,7 @@ the generator's own pools are removed before the count.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import math
@@ -94,6 +95,7 @@ class LoadSpec:
     max_new_tokens: int = 4
     shm_prefix: str = "mmsched_"
     pool_bytes: int | None = None       # ShmPool size (default: enough for what is in flight, capped)
+    verify: bool = False                # ask for digests; a 200 whose bytes are not ours is a failure
     progress: bool = False
 
     def validate(self) -> None:
@@ -131,7 +133,8 @@ class LoadSpec:
 class Records:
     """One row per request sent, in send order; times in seconds since the run's start."""
 
-    COLUMNS = ("rid", "transport", "fault", "session", "turn", "t_send", "t_recv", "status")
+    COLUMNS = ("rid", "transport", "fault", "session", "turn", "t_send", "t_recv", "status", "verified")
+    MATCHED, MISMATCHED, UNCHECKED = 1, 0, -1  # ``verified``: a 200's digests against the client's own
 
     def __init__(self):
         self.rid: list[str] = []
@@ -142,6 +145,7 @@ class Records:
         self.t_send: list[float] = []
         self.t_recv: list[float] = []  # nan while (or if forever) outstanding
         self.status: list[int] = []    # LOST (0) while outstanding
+        self.verified: list[int] = []  # MATCHED / MISMATCHED, or UNCHECKED (not a 200, or not --verify)
 
     def add(self, rid: str, transport: str, fault: str, session: int, turn: int, t_send: float) -> int:
         self.rid.append(rid)
@@ -152,6 +156,7 @@ class Records:
         self.t_send.append(t_send)
         self.t_recv.append(math.nan)
         self.status.append(LOST)
+        self.verified.append(self.UNCHECKED)
         return len(self.rid) - 1
 
     def __len__(self) -> int:
@@ -201,6 +206,8 @@ def summarize(rec: Records, elapsed_s: float | None = None) -> dict:
         "by_status": by_status,
         "by_fault": expected,
         "unexpected": int(unexpected),
+        "verified": rec.verified.count(Records.MATCHED),
+        "mismatched": rec.verified.count(Records.MISMATCHED),
     }
 
 
@@ -214,7 +221,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return self.summary["lost"] == 0 and not self.segments["leaked"]
+        return self.summary["lost"] == 0 and not self.segments["leaked"] and not self.summary["mismatched"]
 
     def to_json(self) -> dict:
         """The summary and the raw rows, kept apart."""
@@ -237,9 +244,13 @@ def format_table(report: Report) -> str:
     lines.append(f"by kind (status x count)  {mix}  unexpected {s['unexpected']}")
     lines.append(f"/dev/shm {report.spec['shm_prefix']}* segments: before {seg['before']}, after {seg['after']}; "
                  f"leaked by this run {len(seg['leaked'])}" + (f" {seg['leaked'][:5]}" if seg["leaked"] else ""))
+    if report.spec.get("verify"):
+        lines.append(f"digests: {s['verified']} results carried exactly the bytes sent, "
+                     f"{s['mismatched']} carried other bytes")
     lines.extend(report.notes)
     verdict = "OK" if report.ok else "FAIL: " + ", ".join(
-        x for x, bad in (("lost results", s["lost"]), ("leaked segments", seg["leaked"])) if bad)
+        x for x, bad in (("lost results", s["lost"]), ("leaked segments", seg["leaked"]),
+                         ("200s with bytes that were not sent", s["mismatched"])) if bad)
     lines.append(verdict)
     return "\n".join(lines)
 
@@ -320,12 +331,13 @@ def list_segments(prefix: str) -> set[str]:
 # ---------------------------------------------------------------- the run
 
 class _Session:
-    __slots__ = ("n", "id", "turn", "stored", "ids", "busy")
+    __slots__ = ("n", "id", "turn", "stored", "ids", "sizes", "busy")
 
     def __init__(self, n: int, tag: str):
         self.n, self.id, self.turn = n, f"{tag}-s{n}", 0
         self.stored = False      # the server holds this session's features (a turn with them got 200)
         self.ids: list[str] = []
+        self.sizes: list[int] = []  # payload size behind each id
         self.busy = False        # a turn is in flight
 
 
@@ -347,6 +359,8 @@ class _Run:
         self.closing: list[asyncio.Task] = []
         rng_np = np.random.default_rng(spec.seed)
         self.payloads = {n: torch.from_numpy(rng_np.integers(0, 256, n, dtype=np.uint8)) for n in spec.item_bytes}
+        self.sha256 = {n: hashlib.sha256(t.numpy()).hexdigest() for n, t in self.payloads.items()}
+        self.want: dict[int, list[str]] = {}  # row -> the digests its 200 must carry (--verify)
         self.ids = [rng_np.integers(0, 32000, spec.input_len, dtype=np.int32) for _ in range(8)]
         self.tag = f"lg{os.getpid()}-{next(_RUNS)}"
         self.counter = 0
@@ -369,17 +383,18 @@ class _Run:
             fault = ""
         return transport, fault, sizes, r.randrange(len(self.ids))
 
-    def _features(self, transport: str, sizes: list[int], sess: _Session | None) -> list[Feature]:
+    def _features(self, transport: str, sizes: list[int], sess: _Session | None) -> tuple[list[Feature], list[int]]:
+        """The request's features, and the payload size behind each (a ref stands for its stored one)."""
         if sess is not None and sess.turn > 0 and sess.stored:
-            return [ref(fid) for fid in sess.ids]
+            return [ref(fid) for fid in sess.ids], sess.sizes
         make = {"pooled": pooled, "shm": shm, "inline": inline, "cuda_ipc": cuda_ipc}[transport]
         feats = []
         for k, n in enumerate(sizes):
             fid = f"f{k}" if sess is not None else None
             feats.append(make(self.payloads[n], "image", fid))
         if sess is not None:
-            sess.ids = [f"f{k}" for k in range(len(sizes))]
-        return feats
+            sess.ids, sess.sizes = [f"f{k}" for k in range(len(sizes))], sizes
+        return feats, sizes
 
     def _fault_item(self, kind: str, sizes: list[int]) -> tuple[Feature, Any]:
         """A client-made bad item: (feature, segment to hand over once sent or None)."""
@@ -408,15 +423,18 @@ class _Run:
         if fault == "fail":
             rid = self.spec.fail_prefix + rid
         seg = None
+        want = None
         if fault in CLIENT_FAULTS:
             feat, seg = self._fault_item(fault, sizes)
             feats = [feat]
         else:
-            feats = self._features(transport, sizes, sess)
+            feats, sent_sizes = self._features(transport, sizes, sess)
+            want = [self.sha256[n] for n in sent_sizes] if self.spec.verify else None
         params = {"max_new_tokens": self.spec.max_new_tokens} if self.spec.type == "generate" else None
         try:
             fut = self.client.send_request(self.spec.type, self.ids[ids_k], feats, rid=rid,
-                                           session_id=sess.id if sess is not None else None, params=params)
+                                           session_id=sess.id if sess is not None else None, params=params,
+                                           want_digest=self.spec.verify)
         except BaseException:
             if seg is not None:
                 seg.discard()
@@ -427,6 +445,8 @@ class _Run:
         row = self.rec.add(rid, "ref" if feats and feats[0].transport == "session" else transport, fault,
                            sess.n if sess is not None else -1, sess.turn if sess is not None else 0, t)
         self.outstanding += 1
+        if want is not None:
+            self.want[row] = want
         self.rids[row] = rid
         self.futs[row] = fut
         if sess is not None:
@@ -455,6 +475,12 @@ class _Run:
             return  # the run is over: it stays lost
         res = fut.result()
         self.rec.t_recv[row], self.rec.status[row] = t, res.status
+        want = self.want.pop(row, None)
+        if want is not None and res.status == 200:
+            ok = res.meta.get("digests") == want
+            self.rec.verified[row] = Records.MATCHED if ok else Records.MISMATCHED
+            if not ok:
+                self.errors.append(f"{res.rid}: 200 whose digests are not those of the bytes sent")
         self.outstanding -= 1
         try:
             if sess is not None:

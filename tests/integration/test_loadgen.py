@@ -120,8 +120,8 @@ def test_cli_exits_nonzero_on_lost_results(tmp_path):
     assert "FAIL: lost results" in proc.stdout
     doc = json.loads(out.read_text())
     assert doc["summary"]["lost"] == doc["summary"]["sent"] == 4
-    assert doc["raw"]["columns"][-1] == "status"
-    assert [r[-1] for r in doc["raw"]["rows"]] == [0, 0, 0, 0]
+    status = doc["raw"]["columns"].index("status")
+    assert [r[status] for r in doc["raw"]["rows"]] == [0, 0, 0, 0]
 
 
 def test_cli_table_json_and_plot(shared_server, tmp_path):
@@ -145,6 +145,38 @@ def test_cli_table_json_and_plot(shared_server, tmp_path):
     assert len(doc["raw"]["rows"]) == 120
     if png is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_verify_checks_every_200_against_the_bytes_sent(shared_server, tmp_path):
+    """--verify on a real server: every 200 (fresh, pooled, inline and session refs) carries
+    exactly the bytes sent; a server answering 200 with other bytes fails the run."""
+    out = tmp_path / "r.json"
+    base = [sys.executable, "-m", "mmsched", "loadtest", "--requests", "200", "--concurrency", "16",
+            "--item-bytes", "3K,9K", "--items", "2", "--transport", "pooled,shm,inline", "--verify", "--quiet"]
+    proc = subprocess.run([*base, "--frontend", shared_server.addr, "--session-turns", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())["summary"]
+    assert (s["verified"], s["mismatched"]) == (200, 0), s
+    assert "200 results carried exactly the bytes sent, 0 carried other bytes" in proc.stdout
+
+    # a server that answers 200 without reading the features (the bare ROUTER ceiling)
+    addr = f"ipc:///tmp/mmsched-test-bare-{uuid.uuid4().hex[:8]}.sock"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    bare = subprocess.Popen([sys.executable, os.path.join(root, "bench", "bare_router.py"), addr,
+                             "--max-seconds", "60"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert bare.stdout.readline().strip() == "ready"
+        proc = subprocess.run([*base, "--frontend", addr, "--json", str(out)], capture_output=True, text=True,
+                              timeout=120)
+    finally:
+        bare.terminate()
+        bare.wait(10)
+        bare.stdout.close()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "FAIL: 200s with bytes that were not sent" in proc.stdout
+    s = json.loads(out.read_text())["summary"]
+    assert s["by_status"]["200"]["count"] == s["mismatched"] == 200 and s["lost"] == 0
 
 
 def test_make_loadtest_target_uses_the_serve_config():

@@ -1,6 +1,9 @@
 """Soak: many requests at tp = 2 with injected failures on every rank and stage, and aborts,
-through a bounded window. Afterwards: every request got exactly one result of the kind
-its fate calls for, /dev/shm is as it was, and the ranks' memory stopped growing.
+through a bounded window. Features travel as fresh segments, slices of one shared pool,
+inline frames, and slices of 96 client pools (3x what a rank keeps open), and every 200's
+digests are checked against the client's own. Afterwards: every request got exactly one
+result of the kind its fate calls for, /dev/shm is as it was, and the ranks' memory
+stopped growing. ``test_loadtest_verify_soak`` runs ``mmsched loadtest --verify`` too.
 
 Marked slow (``make soak``). ``MMSCHED_SOAK_REQUESTS`` sets the count (default 100,000).
 """
@@ -17,7 +20,8 @@ from collections import Counter
 import pytest
 import torch
 
-from mmsched.client import Client, shm
+from mmsched.client import Client, inline, pooled, raw, shm
+from mmsched.transport.shm_pool import POOLS, ShmPool
 
 from ..conftest import Server
 from .lifecycle import my_segments, sha256_of
@@ -69,6 +73,13 @@ async def test_soak(tmp_path):
     features = [torch.randn(*shape, generator=torch.Generator().manual_seed(k))
                 for k, shape in enumerate([(4, 4), (8, 16), (16, 16), (3, 5, 7), (64,), (2, 128)] * 4)]
     digests = [sha256_of(t) for t in features]
+    own = [ShmPool(4096) for _ in range(3 * POOLS.limit)]  # pool j holds features[j % len(features)]
+    own_items = []
+    for j, pool in enumerate(own):
+        t = features[j % len(features)]
+        own_items.append({"modality": "image", "transport": "shm", "shm_name": pool.name, "offset": pool.put(t),
+                          "pooled": True, "dtype": "float32", "shape": list(t.shape)})
+    shared = ShmPool(8 << 20)
     srv = Server(*ARGS, tmp_dir=str(tmp_path))
     try:
         srv.wait_ready(timeout=120)
@@ -81,7 +92,7 @@ async def test_soak(tmp_path):
         next_i, done = 0, 0
         start = time.monotonic()
         deadline = start + TIME_LIMIT_S
-        clients = [Client(srv.addr, timeout=120) for _ in range(CLIENTS)]
+        clients = [Client(srv.addr, timeout=120, shm_pool=shared) for _ in range(CLIENTS)]
         for c in clients:
             await c.__aenter__()
 
@@ -93,7 +104,14 @@ async def test_soak(tmp_path):
                 fate = fates[i]
                 k = i % len(features)
                 rid = f"{fate}-{i}" if fate in FAILURES else f"r-{fate}-{i}"
-                fut = c.send_request("embed", [i % 4000 + 1, 7], [shm(features[k])], rid=rid, want_digest=True)
+                how = (i // 7) % 4
+                if how == 3:  # one of the client's own pools, and the feature it holds
+                    j = i % len(own)
+                    k = j % len(features)
+                    feat = raw(own_items[j])
+                else:
+                    feat = (shm, pooled, inline)[how](features[k])
+                fut = c.send_request("embed", [i % 4000 + 1, 7], [feat], rid=rid, want_digest=True)
                 if fate == "abort":
                     await asyncio.sleep(rng.choice([0, 0, 0.0005, 0.002, 0.01]))
                     await c.abort(rid)
@@ -130,6 +148,8 @@ async def test_soak(tmp_path):
         logs = srv.logs()
     finally:
         srv.kill_all()
+        for pool in (*own, shared):
+            pool.close()
 
     by_status = Counter(s for s, _ in results.values())
     by_fate = Counter(f for _, f in results.values())
@@ -160,3 +180,28 @@ async def test_soak(tmp_path):
     for pid in pids:
         growth = (rss_end[pid] - rss_mark[pid]) / rss_mark[pid]
         assert growth < RSS_GROWTH_LIMIT, f"rank pid {pid} grew {growth:.1%} after request {mark}"
+
+
+@pytest.mark.timeout(TIME_LIMIT_S + 300)
+def test_loadtest_verify_soak(tmp_path):
+    """``mmsched loadtest --verify`` for N requests at tp=2: every transport, two-turn sessions,
+    server and client faults, aborts. Exit 0 means no result lost, no leak, and no 200
+    whose digests differ from the SHA-256 of the bytes the load generator sent."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "verify.json"
+    with Server("--tp", "2", "--fault", "1:materialize:fail-*", tmp_dir=str(tmp_path), ready_timeout=120) as srv:
+        proc = subprocess.run(
+            [sys.executable, "-m", "mmsched", "loadtest", "--frontend", srv.addr, "--verify", "--quiet",
+             "--requests", str(N), "--duration", str(TIME_LIMIT_S), "--concurrency", str(WINDOW),
+             "--transport", "pooled,shm,inline,cuda_ipc", "--items", "2", "--item-bytes", "1K,8K,64K",
+             "--session-turns", "2", "--fail-rate", "0.05", "--client-faults", "0.05", "--abort-rate", "0.05",
+             "--json", str(out)],
+            capture_output=True, text=True, timeout=TIME_LIMIT_S + 120)
+        print("\n" + proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())["summary"]
+    assert s["sent"] == N and s["lost"] == 0 and s["mismatched"] == 0 and s["unexpected"] == 0, s
+    assert s["verified"] == s["by_status"]["200"]["count"], s

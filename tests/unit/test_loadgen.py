@@ -47,7 +47,19 @@ def test_empty_run_summary_is_json_clean(tmp_path):
     write_json(rep, str(path))
     doc = json.loads(path.read_text())  # strict JSON: NaN became null
     assert doc["summary"]["latency_ms"]["p50"] is None
-    assert doc["raw"]["rows"] == [["r0", "pooled", "", -1, 0, 0.0, None, 0]]
+    assert doc["raw"]["rows"] == [["r0", "pooled", "", -1, 0, 0.0, None, 0, Records.UNCHECKED]]
+
+
+def test_a_digest_mismatch_fails_the_report():
+    rec = records([("", 0.0, 0.001, 200), ("", 0.1, 0.2, 200), ("fail", 0.2, 0.3, 500)])
+    rec.verified[:2] = [Records.MATCHED, Records.MISMATCHED]
+    s = summarize(rec)
+    assert (s["verified"], s["mismatched"], s["lost"]) == (1, 1, 0)
+    rep = Report({"shm_prefix": "mmsched_", "verify": True}, s, rec, {"before": 0, "after": 0, "leaked": []})
+    assert not rep.ok
+    table = format_table(rep)
+    assert "1 results carried exactly the bytes sent, 1 carried other bytes" in table
+    assert table.endswith("FAIL: 200s with bytes that were not sent")
 
 
 def test_leak_fails_the_report():
