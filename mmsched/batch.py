@@ -75,13 +75,17 @@ class BatchRunner:
     def _lookup(self, session_id: str | None):
         return lambda ref: self.sessions.lookup(session_id, ref)
 
+    def tidy(self) -> None:
+        """At most once a second: close cached pools whose owner removed or replaced them."""
+        if (now := time.monotonic()) >= self._next_prune:
+            self._next_prune = now + self.PRUNE_EVERY_S
+            prune_idle()
+
     def run(self, batch: Batch) -> tuple[list[dict], float | None]:
         """Results (built on every rank, sent by the leader) and the consensus's seconds.
 
         Runs for every batch, heartbeats included, so idle ranks still drop stale pools."""
-        if (now := time.monotonic()) >= self._next_prune:
-            self._next_prune = now + self.PRUNE_EVERY_S
-            prune_idle()
+        self.tidy()
         reqs = batch.requests
         n = len(reqs)
         for sid in batch.closes:  # 0. sessions closed or idle, in stream order

@@ -301,6 +301,7 @@ class Leader:
             while not self._done():
                 batch = await self._next_batch()                 # 1. what is queued (or a heartbeat)
                 if batch.empty and self.world == 1:
+                    self.runner.tidy()  # nothing to run, but idle pools are still checked
                     continue
                 try:
                     outcome = await self._run_on_lane(batch)     # 2. broadcast + run, on every rank

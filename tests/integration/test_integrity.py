@@ -172,3 +172,92 @@ def test_ranks_hold_no_descriptor_of_a_pool_they_no_longer_need(server, own_pool
         fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
         pools = [t for t in fds if t.startswith("/dev/shm/")]
         assert len(pools) <= CACHE_BOUND, (pid, len(pools))
+
+
+# ---------------------------------------------------------------- cuda_ipc pools (ShmDevice here)
+
+async def test_more_ipc_pools_in_one_burst_than_a_rank_keeps_attached(server):
+    """Each request from its own cuda_ipc pool (3x the attachment bound): every 200 carries its
+    own bytes, and every rank acknowledges every slot."""
+    from mmsched.transport.cuda_ipc import ATTACHED, IpcPool, ShmDevice
+
+    world = 2 if "--tp" in server.proc.args else 1
+    pools = [IpcPool(ShmDevice(), slots=1, slot_bytes=16 << 10, ranks=world)
+             for _ in range(3 * ATTACHED.pools.limit)]
+    try:
+        want, futs = {}, {}
+        async with Client(server.addr) as c:
+            for i, pool in enumerate(pools):
+                data = payload(i)
+                t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                lease = pool.lease(t)
+                item = {"modality": "image", "transport": "cuda_ipc", "dtype": "uint8", "shape": [len(data)],
+                        "ipc": pool.item(t, lease)}
+                rid = f"ipc-{i}"
+                want[rid] = [sha(data)]
+                futs[rid] = c.send_request("embed", [1], [raw(item)], rid=rid, want_digest=True)
+            results = await gather(c, futs)
+        bad = wrong(results, want)
+        assert not bad, f"{len(bad)} of {len(pools)} requests: {bad[:5]}"
+        assert all(pool.reclaim() == 1 for pool in pools), "a rank did not acknowledge its slot"
+    finally:
+        for pool in pools:
+            pool.close()
+
+
+async def test_an_ipc_pool_recreated_under_its_name_is_read_and_acked_anew(server):
+    """The producer re-creates its pool (buffer and ack board) under the same names: the next
+    request reads the new buffer, and its acknowledgements land on the new board."""
+    from mmsched.transport.cuda_ipc import IpcPool, ShmDevice
+
+    world = 2 if "--tp" in server.proc.args else 1
+    pool = IpcPool(ShmDevice(), slots=1, slot_bytes=16 << 10, ranks=world)
+    try:
+        old, new = payload(800), payload(801)[: len(payload(800))]
+        t = torch.frombuffer(bytearray(old), dtype=torch.uint8)
+        item = {"modality": "image", "transport": "cuda_ipc", "dtype": "uint8", "shape": [len(old)],
+                "ipc": pool.item(t, pool.lease(t))}
+        async with Client(server.addr) as c:
+            r = await c.request("embed", [1], [raw(item)], rid="ipc-old", want_digest=True, timeout=60)
+            assert (r.status, r.meta.get("digests")) == (200, [sha(old)]), r.message
+            assert pool.reclaim() == 1
+            replace_segment(pool.buffer.name, new)                      # same name, new inode, new bytes
+            replace_segment(pool.board.name, bytes(8 * world))          # a fresh board: no acks yet
+            r = await c.request("embed", [1], [raw(item)], rid="ipc-new", want_digest=True, timeout=60)
+        assert r.status == 200, r.message
+        assert r.meta["digests"] == [sha(new)], "read the re-created pool's old buffer"
+        with open(f"/dev/shm/{pool.board.name}", "rb") as fh:
+            cells = [int.from_bytes(fh.read(8), "little") for _ in range(world)]
+        assert cells == [item["ipc"]["generation"]] * world, "acks went to the old board"
+    finally:
+        pool.close()
+
+
+# ---------------------------------------------------------------- pools their owner removed
+
+async def test_a_pool_its_owner_unlinked_is_not_kept_allocated(server, own_pools):
+    """Once the owner removes its pool, no rank keeps it alive through a cached descriptor."""
+    data = payload(900)
+    pool, item = own_pools(data)
+    async with Client(server.addr) as c:
+        r = await c.request("embed", [1], [raw(item)], rid="gone", want_digest=True, timeout=60)
+        assert (r.status, r.meta.get("digests")) == (200, [sha(data)]), r.message
+    pids = server.rank_pids() if "--tp" in server.proc.args else [server.proc.pid]
+
+    def holders() -> list[int]:
+        out = []
+        for pid in pids:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/dev/shm/{pool.name}"):
+                        out.append(pid)
+                except FileNotFoundError:
+                    pass
+        return out
+
+    assert holders() == pids, "each rank keeps a pool it read open for the next request"
+    pool.close()  # the owner unlinks it
+    deadline = asyncio.get_running_loop().time() + 10
+    while holders() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)
+    assert holders() == [], "a rank still holds a pool its owner removed (its pages stay allocated)"
