@@ -1,6 +1,7 @@
 """Sessions at tp = 2: a feature kept by one turn is used by later turns; failed and aborted
 turns neither lose what the session holds nor store what they brought; close_session, the
-idle timeout and the memory bound release or refuse features on every rank alike.
+idle timeout and the memory bounds (bytes, sessions, features) release or refuse features on
+every rank alike.
 
 Two groups: one shared by every test (distinct session ids, rid globs per test), and one
 with a 1 s idle timeout for the expiry test only.
@@ -21,6 +22,8 @@ from .lifecycle import (expect, feature, hold_lane, my_segments, no_extra_result
                         sha256_of)
 
 MAX_BYTES = 64 * 1024  # --session-max-bytes: all sessions together
+MAX_COUNT = 8          # session_max_count: sessions open at once
+MAX_FEATURES = 24      # session_max_features: features stored, all sessions
 STALL_S = 2
 
 ARGS = (
@@ -35,7 +38,9 @@ ARGS = (
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    with Server(*ARGS, tmp_dir=str(tmp_path_factory.mktemp("sessions"))) as srv:
+    # the count bounds come through the environment layer of the config
+    env = {"MMSCHED_SESSION_MAX_COUNT": str(MAX_COUNT), "MMSCHED_SESSION_MAX_FEATURES": str(MAX_FEATURES)}
+    with Server(*ARGS, tmp_dir=str(tmp_path_factory.mktemp("sessions")), env=env) as srv:
         yield srv
 
 
@@ -238,4 +243,37 @@ async def test_idle_session_expires_and_a_busy_one_does_not(idle_group):
         assert "'a'" in r.message, r.message
         await asyncio.sleep(2.5)
         expect(await turn(c, busy, [ref("a")]), 400)  # idle in turn: gone
+        await no_extra_results(c)
+
+
+# ---------------------------------------------------------------- bounds beyond bytes
+
+async def test_zero_size_features_count_against_the_session_bounds(group):
+    empty = torch.empty(0)
+    async with Client(group.addr) as c:
+        s = sid()  # features: MAX_FEATURES in all, zero bytes each
+        expect(await turn(c, s, [inline(empty, id=f"f{i}") for i in range(16)]), 200)
+        r = expect(await turn(c, s, [inline(empty, id=f"g{i}") for i in range(9)]), 503,
+                   err_type="ServiceUnavailable")
+        assert r.message == (f"session memory full: 16 of {MAX_FEATURES} features held, this turn "
+                             f"brings 9 (session_max_features)"), r.message
+        # replacing stored ids adds no entry: 8 replaced and 8 new fill the bound exactly
+        expect(await turn(c, s, [inline(empty, id=f"f{i}") for i in range(8)]
+                          + [inline(empty, id=f"h{i}") for i in range(8)]), 200)
+        expect(await turn(c, s, [inline(empty, id="one-more")]), 503)
+        expect(await turn(c, s, [ref("h7"), ref("f15")]), 200)
+        await c.close_session(s, timeout=30)
+        opened = [sid() for _ in range(MAX_COUNT)]  # sessions: MAX_COUNT open at once
+        for x in opened:
+            expect(await turn(c, x, [inline(empty, id="e")]), 200)
+        extra = sid()
+        r = expect(await turn(c, extra, [inline(empty, id="e")]), 503, err_type="ServiceUnavailable")
+        assert r.message == (f"session memory full: {MAX_COUNT} of {MAX_COUNT} sessions open "
+                             f"(session_max_count)"), r.message
+        expect(await turn(c, opened[0], [inline(empty, id="e2")]), 200)  # an open one still grows
+        expect(await turn(c, extra, [inline(feature(120))]), 200)  # nothing to keep: no session needed
+        await c.close_session(opened[0], timeout=30)
+        expect(await turn(c, extra, [inline(empty, id="e")]), 200)  # the close freed a place
+        for x in opened[1:] + [extra]:
+            await c.close_session(x, timeout=30)
         await no_extra_results(c)
