@@ -26,6 +26,7 @@ from .log import event
 from .metrics import Metrics
 from .protocol import (BAD_REQUEST, INTERNAL, UNAVAILABLE, Abort, CloseSession, Ping, Request,
                        pack, result)
+from .sessions import scoped, unscoped
 from .sweep import sweep
 from .transport.cuda_ipc import acknowledge
 from .transport.shm import drop, hold, unlink_segment
@@ -164,6 +165,8 @@ class Leader:
             return
         if isinstance(msg, Request):
             msg.client, msg.t0 = client, time.monotonic()
+            if msg.session_id is not None:  # sessions are per connection (protocol.md, Sessions)
+                msg.session_id = scoped(client, msg.session_id)
             self._admit(msg)
         elif isinstance(msg, Ping):
             self._send_to_client(client, protocol.pong(self.world, self.healthy, state=self.state.value,
@@ -198,7 +201,8 @@ class Leader:
             if req.session_id is None:
                 return f"session_id: required by mm_items[{it.index}] (transport 'session')"
             if not self.runner.sessions.has(req.session_id, it.ref):
-                return f"mm_items[{it.index}].ref: session {req.session_id!r} holds no feature {it.ref!r}"
+                return (f"mm_items[{it.index}].ref: session {unscoped(req.session_id)!r} "
+                        f"holds no feature {it.ref!r}")
         return None
 
     def _admit(self, req: Request) -> None:
@@ -258,7 +262,7 @@ class Leader:
             except asyncio.TimeoutError:
                 pass
         self._seq += 1
-        batch = Batch(self._seq, closes=[sid for _, sid in self._closing])
+        batch = Batch(self._seq, closes=[scoped(client, sid) for client, sid in self._closing])
         self._acking, self._closing = self._closing, []
         if self.world > 1 and time.monotonic() - self._stats_at >= 2.0:
             self._stats_at, batch.gather_stats = time.monotonic(), True

@@ -7,6 +7,10 @@ without a collective of its own. A failed or aborted turn stores nothing and rel
 nothing the session already had. Memory is bounded by bytes, by the number of sessions and
 by the number of stored features (a zero-size feature still costs its tensor and its
 entry): a turn that would pass a bound is refused (503), never an older feature evicted.
+
+A session belongs to the connection that names it: the leader keys it by the client's
+routing identity and its ``session_id`` (``scoped``), so no other connection can read,
+replace or close it, however well it guesses the id.
 """
 
 from __future__ import annotations
@@ -32,6 +36,16 @@ def _size(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def scoped(client: bytes, session_id: str) -> str:
+    """The store's key for a client's session: its routing identity, then the id it chose."""
+    return f"{client.hex()}/{session_id}"
+
+
+def unscoped(key: str | None) -> str | None:
+    """The ``session_id`` as its client wrote it (for messages)."""
+    return key.partition("/")[2] if key and "/" in key else key
+
+
 @dataclass
 class Pending:
     """What the turns of one batch already accepted would add, before any is stored."""
@@ -54,7 +68,7 @@ class SessionStore:
     def lookup(self, session_id: str | None, feature_id: str) -> torch.Tensor:
         s = self._sessions.get(session_id) if session_id is not None else None
         if s is None or feature_id not in s.features:
-            raise KeyError(f"session {session_id!r} holds no feature {feature_id!r}")
+            raise KeyError(f"session {unscoped(session_id)!r} holds no feature {feature_id!r}")
         return s.features[feature_id]
 
     def refusal(self, session_id: str, new: dict[str, torch.Tensor], pending: Pending) -> str | None:

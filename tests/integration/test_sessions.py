@@ -1,10 +1,10 @@
 """Sessions at tp = 2: a feature kept by one turn is used by later turns; failed and aborted
 turns neither lose what the session holds nor store what they brought; close_session, the
 idle timeout and the memory bounds (bytes, sessions, features) release or refuse features on
-every rank alike.
+every rank alike; a session belongs to the connection that named it.
 
 Two groups: one shared by every test (distinct session ids, rid globs per test), and one
-with a 1 s idle timeout for the expiry test only.
+with a 1 s idle timeout for the expiry test only; a one-rank server for the scope test.
 """
 
 from __future__ import annotations
@@ -42,6 +42,19 @@ def group(tmp_path_factory):
     env = {"MMSCHED_SESSION_MAX_COUNT": str(MAX_COUNT), "MMSCHED_SESSION_MAX_FEATURES": str(MAX_FEATURES)}
     with Server(*ARGS, tmp_dir=str(tmp_path_factory.mktemp("sessions")), env=env) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory):
+    """One rank: small batches run on the leader's loop there, not on the lane."""
+    with Server("--tp", "1", "--fault", "0:stall:shold-*", "--stall-s", str(STALL_S),
+                tmp_dir=str(tmp_path_factory.mktemp("solo"))) as srv:
+        yield srv
+
+
+@pytest.fixture(params=["group", "solo"])
+def tp1_or_2(request):
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -244,6 +257,26 @@ async def test_idle_session_expires_and_a_busy_one_does_not(idle_group):
         await asyncio.sleep(2.5)
         expect(await turn(c, busy, [ref("a")]), 400)  # idle in turn: gone
         await no_extra_results(c)
+
+
+# ---------------------------------------------------------------- scope: the connection's own
+
+async def test_another_connection_cannot_read_replace_or_close_a_session(tp1_or_2):
+    s, mine, theirs = sid(), feature(100), feature(101)
+    async with Client(tp1_or_2.addr) as a, Client(tp1_or_2.addr) as b:
+        expect(await turn(a, s, [inline(mine, id="x")]), 200)
+        # b names the same session id: none of a's features are there for it
+        r = expect(await turn(b, s, [ref("x")]), 400, err_type="BadRequestError")
+        assert f"session '{s}' holds no feature 'x'" in r.message, r.message
+        # b storing under the same session and feature id fills b's own session
+        expect(await turn(b, s, [inline(theirs, id="x")]), 200)
+        assert (await b.close_session(s, timeout=30))["session_id"] == s
+        got = expect(await turn(a, s, [ref("x")]), 200)
+        assert got.meta["digests"] == [sha256_of(mine)]  # a's bytes, neither replaced nor closed by b
+        expect(await turn(b, s, [ref("x")]), 400)  # b's close closed b's session
+        await a.close_session(s, timeout=30)
+        await no_extra_results(a)
+        await no_extra_results(b)
 
 
 # ---------------------------------------------------------------- bounds beyond bytes
