@@ -1,19 +1,23 @@
 """Sessions at tp = 2: a feature kept by one turn is used by later turns; failed and aborted
 turns neither lose what the session holds nor store what they brought; close_session, the
 idle timeout and the memory bounds (bytes, sessions, features) release or refuse features on
-every rank alike; a session belongs to the connection that named it.
+every rank alike; a session belongs to the connection that named it; a close applies after
+the requests sent before it.
 
 Two groups: one shared by every test (distinct session ids, rid globs per test), and one
-with a 1 s idle timeout for the expiry test only; a one-rank server for the scope test.
+with a 1 s idle timeout for the expiry test only; a one-rank server for the scope and order tests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
+import msgpack
 import pytest
 import torch
+import zmq
 
 from mmsched.client import Client, inline, ref, shm
 
@@ -277,6 +281,54 @@ async def test_another_connection_cannot_read_replace_or_close_a_session(tp1_or_
         await a.close_session(s, timeout=30)
         await no_extra_results(a)
         await no_extra_results(b)
+
+
+# ---------------------------------------------------------------- close_session keeps its place
+
+def test_close_session_applies_after_the_requests_sent_before_it(tp1_or_2):
+    """One raw connection, so the order of its replies is seen exactly as they arrive."""
+    s, a, b = sid(), feature(110), feature(111)
+    tag = uuid.uuid4().hex[:6]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(tp1_or_2.addr)
+
+    def send(h: dict, *frames) -> None:
+        sock.send_multipart([msgpack.packb({"v": 1, "input_ids": [4, 5], "session_id": s, **h}), *frames])
+
+    def reply() -> dict:
+        assert sock.poll(30_000), "no reply within 30 s"
+        return msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+
+    def item(t: torch.Tensor, **kw) -> dict:
+        return {"modality": "image", "transport": "inline", "dtype": "float32", "shape": list(t.shape), **kw}
+
+    try:
+        send({"type": "embed", "rid": f"s0-{tag}", "mm_items": [item(a, frame=1, id="a")]}, a.numpy().tobytes())
+        assert reply()["status"] == 200
+        send({"type": "embed", "rid": f"shold-{tag}", "session_id": None})  # holds the lane STALL_S s
+        time.sleep(0.5)
+        # queued behind it, back to back: a turn that uses "a" and stores "b", the close, a late ref
+        send({"type": "embed", "rid": f"sb-{tag}", "want_digest": True,
+              "mm_items": [{"transport": "session", "ref": "a", "modality": "image"}, item(b, frame=1, id="b")]},
+             b.numpy().tobytes())
+        send({"type": "close_session"})
+        send({"type": "embed", "rid": f"sa-{tag}", "mm_items": [{"transport": "session", "ref": "a",
+                                                                "modality": "image"}]})
+        got = [reply() for _ in range(4)]
+        seen = [(h["type"], h.get("rid"), h.get("status")) for h in got]
+        assert seen == [("result", f"sa-{tag}", 400),     # sent after the close: the ref is gone
+                        ("result", f"shold-{tag}", 200),
+                        ("result", f"sb-{tag}", 200),     # sent before the close: ran before it
+                        ("ack", None, None)], [(x, h.get("message")) for x, h in zip(seen, got)]
+        assert got[2]["meta"]["digests"] == [sha256_of(a), sha256_of(b)]
+        assert "holds no feature 'a'" in got[0]["message"], got[0]["message"]
+        for fid in ("a", "b"):  # the close released what the turn before it stored
+            send({"type": "embed", "rid": f"s{fid}-after-{tag}",
+                  "mm_items": [{"transport": "session", "ref": fid, "modality": "image"}]})
+            assert reply()["status"] == 400
+    finally:
+        sock.close(linger=0)
 
 
 # ---------------------------------------------------------------- bounds beyond bytes
