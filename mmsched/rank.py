@@ -183,6 +183,9 @@ class Leader:
 
     def _close_session(self, client: bytes, session_id: str) -> None:
         """Close after every request received before it: see ``_next_batch``."""
+        if self.state in (State.STOPPED, State.BROKEN):  # no batch runs again; sessions die with us
+            self._send_to_client(client, protocol.ack_close(session_id))
+            return
         self._closing.append((self._arrived, client, session_id))
         self._closes_pending[scoped(client, session_id)] += 1
         self._wake.set()
@@ -370,6 +373,7 @@ class Leader:
         if not self._now.is_set():
             await self._stop_followers()
         self._answer_all(UNAVAILABLE, "service unavailable: shut down before this request ran")
+        self._ack_closes()
         self.state = State.STOPPED
         event("stopped", results=dict(sorted(self.results_sent.items())))
         return 0
@@ -412,7 +416,7 @@ class Leader:
         if self.state is not State.DRAINING:
             return False
         timed_out = time.monotonic() >= (self._drain_deadline or 0)
-        return timed_out or (not self.queue and not self.inflight)
+        return timed_out or (not self.queue and not self.inflight and not self._closing)
 
     async def _stop_followers(self) -> None:
         if self.world > 1:

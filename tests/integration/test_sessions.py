@@ -2,15 +2,16 @@
 turns neither lose what the session holds nor store what they brought; close_session, the
 idle timeout and the memory bounds (bytes, sessions, features) release or refuse features on
 every rank alike; a session belongs to the connection that named it; a close applies after
-the requests sent before it.
+the requests sent before it, and is acked during a drain too.
 
 Two groups: one shared by every test (distinct session ids, rid globs per test), and one
-with a 1 s idle timeout for the expiry test only; a one-rank server for the scope and order tests.
+with a 1 s idle timeout for the expiry test only; the drain tests start their own server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 
@@ -362,3 +363,23 @@ async def test_zero_size_features_count_against_the_session_bounds(group):
         for x in opened[1:] + [extra]:
             await c.close_session(x, timeout=30)
         await no_extra_results(c)
+
+
+# ---------------------------------------------------------------- close_session in a drain
+
+@pytest.mark.parametrize("tp", [1, 2])
+async def test_close_session_sent_during_a_drain_is_acked(start_server, tp):
+    srv = start_server("--tp", str(tp), "--fault", "0:stall:dhold-*", "--stall-s", "3")
+    s = sid()
+    async with Client(srv.addr) as c:
+        expect(await turn(c, s, [inline(feature(130), id="a")]), 200)
+        hold = await hold_lane(c, "dhold-1")  # 3 s in the engine: the drain waits for it
+        srv.proc.send_signal(signal.SIGTERM)
+        for _ in range(100):
+            if (await c.ping(timeout=5))["state"] == "draining":
+                break
+            await asyncio.sleep(0.02)
+        ack = await c.close_session(s, timeout=15)
+        assert ack == {"v": 1, "type": "ack", "op": "close_session", "session_id": s}
+        expect(await c.wait("dhold-1", hold, 30), 200)
+    assert srv.proc.wait(30) == 0
