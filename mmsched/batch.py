@@ -22,7 +22,7 @@ from . import remote
 from .metrics import RankCounters
 from .remote import ForwardedFeature, Topology
 from .protocol import ABORTED, INTERNAL, OK, UNAVAILABLE, Request, result
-from .sessions import SessionStore
+from .sessions import Pending, SessionStore
 from .transport import open_feature, prune_idle
 from .transport.cuda_ipc import acknowledge
 
@@ -199,18 +199,13 @@ class BatchRunner:
         return {it.id: t for it, t in zip(req.items, tensors) if it.id is not None and it.transport != "session"}
 
     def _session_overflow(self, reqs: list[Request], tensors, ok: list[int]) -> dict[int, str]:
-        """Turns whose new session features would overflow the bound: refused (503), same on every rank."""
-        refused, pending = {}, 0
+        """Turns whose new session features would pass a bound: refused (503), same on every rank."""
+        refused, pending = {}, Pending()
         for i in ok:
             new = self._new_session_features(reqs[i], tensors[i])
-            if not new:
-                continue
-            need = sum(t.numel() * t.element_size() for t in new.values())
-            if not self.sessions.fits(reqs[i].session_id, new, pending):
-                refused[i] = (f"session memory full: {self.sessions.nbytes} of {self.sessions.max_bytes} bytes "
-                              f"held, this turn brings {need} (session_max_bytes)")
-            else:
-                pending += need
+            why = self.sessions.refusal(reqs[i].session_id, new, pending) if new else None
+            if why:
+                refused[i] = why
         return refused
 
     def _keep_session_features(self, req: Request, tensors: list[torch.Tensor]) -> None:

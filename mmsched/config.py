@@ -53,6 +53,8 @@ class Config:
     stall_s: float = _opt(3.0, "seconds a 'stall' (engine) or 'hold' (materialize) fault holds its rank", 0, 3600)
     session_idle_timeout: float = _opt(600.0, "seconds a session may sit unused before its features are released", 0.001, 1e9)
     session_max_bytes: int = _opt(1 << 30, "most feature bytes all sessions together may hold; beyond it, 503", 0, 1 << 42)
+    session_max_count: int = _opt(16384, "most sessions open at once, all clients; a turn that would open one more gets 503", 0, 1 << 30)
+    session_max_features: int = _opt(65536, "most features all sessions together may hold, zero-size ones too; beyond it, 503", 0, 1 << 30)
     sweep_grace: float = _opt(60.0, "seconds an unlocked, prefixed segment must be old before the sweep takes it", 0, 1e9)
     sweep_interval: float = _opt(30.0, "seconds between orphan sweeps while serving (0: only at start-up)", 0, 1e9)
     max_input_len: int = _opt(131072, "most input ids per request", 1, 1 << 26)

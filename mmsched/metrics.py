@@ -82,5 +82,7 @@ class _GroupCollector:
         yield GaugeMetricFamily("mmsched_session_bytes", "Feature bytes held by sessions",
                                 value=ld.runner.sessions.nbytes)
         yield GaugeMetricFamily("mmsched_sessions", "Open sessions", value=len(ld.runner.sessions))
+        yield GaugeMetricFamily("mmsched_session_features", "Features held by sessions",
+                                value=ld.runner.sessions.features)
         yield GaugeMetricFamily("mmsched_ranks", "Ranks in the group", value=ld.world)
         yield GaugeMetricFamily("mmsched_healthy", "1 while /health would answer 200", value=int(ld.health()[0]))

@@ -112,6 +112,7 @@ class Request:
     client: bytes = b""
     holds: list | None = None  # leader: fds locking its segments from admission until answered
     t0: float | None = None  # leader: admission time, for the latency histogram
+    seq: int = 0  # leader: arrival order, so a close_session waits for the requests before it
 
     @property
     def key(self) -> tuple[bytes, str]:

@@ -10,7 +10,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 
 import zmq
 import zmq.asyncio
@@ -26,6 +26,7 @@ from .log import event
 from .metrics import Metrics
 from .protocol import (BAD_REQUEST, INTERNAL, UNAVAILABLE, Abort, CloseSession, Ping, Request,
                        pack, result)
+from .sessions import scoped, unscoped
 from .sweep import sweep
 from .transport.cuda_ipc import acknowledge
 from .transport.shm import drop, hold, unlink_segment
@@ -87,8 +88,12 @@ class Leader:
         self._stop = asyncio.Event()
         self._now = asyncio.Event()
         self._seq = 0
-        self._closing: list[tuple[bytes, str]] = []  # close_session asks, acked after their batch
+        # close_session asks in arrival order, each with the seq of the last request received
+        # before it: it joins a batch once none of those is still queued, and is acked after it
+        self._closing: deque[tuple[int, bytes, str]] = deque()
         self._acking: list[tuple[bytes, str]] = []
+        self._closes_pending: Counter[str] = Counter()  # scoped ids with a close not yet acked
+        self._arrived = 0  # requests received so far (their seq)
         self._idle_checked = time.monotonic()
         self._drain_deadline: float | None = None
         runner.is_aborted = lambda req: req.key in self.aborting
@@ -159,7 +164,10 @@ class Leader:
             self._send_to_client(client, result(None, BAD_REQUEST, "header: could not be decoded"))
             return
         if isinstance(msg, Request):
-            msg.client, msg.t0 = client, time.monotonic()
+            self._arrived += 1
+            msg.client, msg.t0, msg.seq = client, time.monotonic(), self._arrived
+            if msg.session_id is not None:  # sessions are per connection (protocol.md, Sessions)
+                msg.session_id = scoped(client, msg.session_id)
             self._admit(msg)
         elif isinstance(msg, Ping):
             self._send_to_client(client, protocol.pong(self.world, self.healthy, state=self.state.value,
@@ -167,8 +175,16 @@ class Leader:
         elif isinstance(msg, Abort):
             self._abort((client, msg.rid))
         elif isinstance(msg, CloseSession):
-            self._closing.append((client, msg.session_id))
-            self._wake.set()
+            self._close_session(client, msg.session_id)
+
+    def _close_session(self, client: bytes, session_id: str) -> None:
+        """Close after every request received before it: see ``_next_batch``."""
+        if self.state in (State.STOPPED, State.BROKEN):  # no batch runs again; sessions die with us
+            self._send_to_client(client, protocol.ack_close(session_id))
+            return
+        self._closing.append((self._arrived, client, session_id))
+        self._closes_pending[scoped(client, session_id)] += 1
+        self._wake.set()
 
     def _forget(self, req: Request) -> None:
         """The request is answered: drop its admission locks and its share of the in-flight bytes."""
@@ -193,8 +209,9 @@ class Leader:
                 continue
             if req.session_id is None:
                 return f"session_id: required by mm_items[{it.index}] (transport 'session')"
-            if not self.runner.sessions.has(req.session_id, it.ref):
-                return f"mm_items[{it.index}].ref: session {req.session_id!r} holds no feature {it.ref!r}"
+            if req.session_id in self._closes_pending or not self.runner.sessions.has(req.session_id, it.ref):
+                return (f"mm_items[{it.index}].ref: session {unscoped(req.session_id)!r} "
+                        f"holds no feature {it.ref!r}")
         return None
 
     def _admit(self, req: Request) -> None:
@@ -254,8 +271,11 @@ class Leader:
             except asyncio.TimeoutError:
                 pass
         self._seq += 1
-        batch = Batch(self._seq, closes=[sid for _, sid in self._closing])
-        self._acking, self._closing = self._closing, []
+        head = next(iter(self.queue.values()), None)
+        while self._closing and (head is None or self._closing[0][0] < head.seq):
+            _, client, sid = self._closing.popleft()  # nothing received before it is still queued
+            self._acking.append((client, sid))
+        batch = Batch(self._seq, closes=[scoped(client, sid) for client, sid in self._acking])
         if self.world > 1 and time.monotonic() - self._stats_at >= 2.0:
             self._stats_at, batch.gather_stats = time.monotonic(), True
         now = time.monotonic()
@@ -266,6 +286,8 @@ class Leader:
                 event("sessions_expired", count=len(expired))
                 batch.closes.extend(expired)
         while self.queue and len(batch.requests) < self.cfg.max_batch:
+            if self._closing and self._closing[0][0] < next(iter(self.queue.values())).seq:
+                break  # a close received before this request applies first: in the next batch
             key, req = self.queue.popitem(last=False)
             self.inflight[key] = req
             batch.requests.append(req)
@@ -285,7 +307,12 @@ class Leader:
         if consensus_s is not None:
             self.metrics.consensus_seconds.observe(consensus_s)
         for client, sid in self._acking:
+            key = scoped(client, sid)
+            self._closes_pending[key] -= 1
+            if not self._closes_pending[key]:
+                del self._closes_pending[key]
             self._send_to_client(client, protocol.ack_close(sid))
+        self._acking = []
         for req, res in zip(batch.requests, results):
             self._forget(req)
             self.inflight.pop(req.key, None)
@@ -343,6 +370,7 @@ class Leader:
         if not self._now.is_set():
             await self._stop_followers()
         self._answer_all(UNAVAILABLE, "service unavailable: shut down before this request ran")
+        self._ack_closes()
         self.state = State.STOPPED
         event("stopped", results=dict(sorted(self.results_sent.items())))
         return 0
@@ -385,7 +413,7 @@ class Leader:
         if self.state is not State.DRAINING:
             return False
         timed_out = time.monotonic() >= (self._drain_deadline or 0)
-        return timed_out or (not self.queue and not self.inflight)
+        return timed_out or (not self.queue and not self.inflight and not self._closing)
 
     async def _stop_followers(self) -> None:
         if self.world > 1:
@@ -406,15 +434,19 @@ class Leader:
             self._answer(req, status, message, **meta)
         self.inflight.clear()
 
+    def _ack_closes(self) -> None:
+        """No batch will run again: ack every close still waiting; the sessions die with the process."""
+        for client, sid in self._acking + [(client, sid) for _, client, sid in self._closing]:
+            self._send_to_client(client, protocol.ack_close(sid))
+        self._acking, self._closing = [], deque()
+
     async def _broken(self, reason: str) -> int:
         """The group is gone: answer everything held, release locally, report unhealthy, exit non-zero."""
         self.state, self.broken_reason = State.BROKEN, f"rank group broken: {reason}"
         event("group_broken", logging.ERROR, reason=reason, inflight=len(self.inflight), queued=len(self.queue))
         self._answer_inflight(INTERNAL, f"{self.broken_reason}; the request may not have run on every rank",
                               failed_ranks=list(range(self.world)), stage="group")
-        for client, sid in self._acking + self._closing:  # the sessions die with the group
-            self._send_to_client(client, protocol.ack_close(sid))
-        self._acking, self._closing = [], []
+        self._ack_closes()
         self._answer_all(UNAVAILABLE, f"service unavailable: {self.broken_reason}")
         # Linger briefly so clients that send now get a 503 rather than silence.
         deadline = time.monotonic() + 2.0

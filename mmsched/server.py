@@ -57,7 +57,8 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     lane = Lane(cfg.collective_timeout)
     engine = ReferenceEngine(rank, world, seed=cfg.seed, stall_s=cfg.stall_s)
     runner = BatchRunner(group, engine, Faults(cfg.faults, rank), unlinks=(rank == 0),
-                         sessions=SessionStore(cfg.session_max_bytes), topology=topology)
+                         sessions=SessionStore(cfg.session_max_bytes, cfg.session_max_count, cfg.session_max_features),
+                         topology=topology)
     try:
         code = _run_loop(cfg, runner, lane, rank, world)
     except ConfigError as exc:  # found only when binding: a port in use, a socket path not writable

@@ -1,11 +1,12 @@
 """Structure-aware fuzzing of a tp = 2 group: whatever arrives, no rank dies, nothing leaks.
 
 A seeded generator builds valid requests (every transport: real shm segments, pooled slices,
-inline frames, session refs, cuda_ipc slots of a real shm-backed pool, bogus cuda_ipc maps),
-then mutates them field by field: random types, out-of-range and huge values, unicode, extra
-keys, missing or extra or truncated frames, truncated MessagePack, random bytes; aborts,
-close_session and pings are interleaved. Messages go out over two DEALER sockets in bounded
-windows (at most WINDOW awaiting a reply), so max_queue is never what answers.
+inline frames, session refs, cuda_ipc slots of a real shm-backed pool, bogus cuda_ipc maps;
+64 zero-size features with ids in a new session), then mutates them field by field: random
+types, out-of-range and huge values, unicode, extra keys, missing or extra or truncated
+frames, truncated MessagePack, random bytes; aborts, close_session and pings are
+interleaved. Messages go out over two DEALER sockets in bounded windows (at most WINDOW
+awaiting a reply), so max_queue is never what answers.
 
 The oracle, from the contract alone:
 - every message gets exactly the replies the contract promises: one result for each message
@@ -56,6 +57,7 @@ STATUSES = {200: None, 400: "BadRequestError", 499: "RequestAborted", 500: "Inte
 GROUP_ARGS = (
     "--tp", "2", "--max-batch", "64", "--collective-timeout", "30",
     "--session-max-bytes", str(64 * 1024), "--session-idle-timeout", "5",
+    "--session-max-count", "64", "--session-max-features", "1024",
     # some rids fail on purpose, on either rank and at each stage, so the 500 paths are fuzzed too
     "--fault", "1:open:fzf1-*", "--fault", "0:materialize:fzf0-*", "--fault", "1:engine:fze1-*",
     "--fault", "1:release:fzr1-*", "--fault", "0:open:fzo0-*",
@@ -261,6 +263,11 @@ class Gen:
             h["params"] = {"max_new_tokens": self.r.randint(1, 8)}
         if self.r.random() < 0.2:
             h["want_digest"] = True
+        if self.r.random() < 0.03:  # 64 zero-size features with ids, in a new session: the count bounds
+            h["session_id"] = f"fz-z{self.r.getrandbits(32):08x}"
+            h["mm_items"] = [{"modality": "image", "dtype": "uint8", "shape": [0], "transport": "inline",
+                              "frame": i + 1, "id": f"z{i}"} for i in range(64)]
+            return h, [b""] * 64
         h["mm_items"] = [self.item(msg, frames, session) for _ in range(self.r.choice([0, 1, 1, 2, 3]))]
         return h, frames
 

@@ -1,18 +1,24 @@
 """Sessions at tp = 2: a feature kept by one turn is used by later turns; failed and aborted
 turns neither lose what the session holds nor store what they brought; close_session, the
-idle timeout and the memory bound release or refuse features on every rank alike.
+idle timeout and the memory bounds (bytes, sessions, features) release or refuse features on
+every rank alike; a session belongs to the connection that named it; a close applies after
+the requests sent before it, and is acked during a drain too.
 
 Two groups: one shared by every test (distinct session ids, rid globs per test), and one
-with a 1 s idle timeout for the expiry test only.
+with a 1 s idle timeout for the expiry test only; the drain tests start their own server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 import uuid
 
+import msgpack
 import pytest
 import torch
+import zmq
 
 from mmsched.client import Client, inline, ref, shm
 
@@ -21,6 +27,8 @@ from .lifecycle import (expect, feature, hold_lane, my_segments, no_extra_result
                         sha256_of)
 
 MAX_BYTES = 64 * 1024  # --session-max-bytes: all sessions together
+MAX_COUNT = 8          # session_max_count: sessions open at once
+MAX_FEATURES = 24      # session_max_features: features stored, all sessions
 STALL_S = 2
 
 ARGS = (
@@ -35,8 +43,23 @@ ARGS = (
 
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
-    with Server(*ARGS, tmp_dir=str(tmp_path_factory.mktemp("sessions"))) as srv:
+    # the count bounds come through the environment layer of the config
+    env = {"MMSCHED_SESSION_MAX_COUNT": str(MAX_COUNT), "MMSCHED_SESSION_MAX_FEATURES": str(MAX_FEATURES)}
+    with Server(*ARGS, tmp_dir=str(tmp_path_factory.mktemp("sessions")), env=env) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory):
+    """One rank: small batches run on the leader's loop there, not on the lane."""
+    with Server("--tp", "1", "--fault", "0:stall:shold-*", "--stall-s", str(STALL_S),
+                tmp_dir=str(tmp_path_factory.mktemp("solo"))) as srv:
+        yield srv
+
+
+@pytest.fixture(params=["group", "solo"])
+def tp1_or_2(request):
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +262,124 @@ async def test_idle_session_expires_and_a_busy_one_does_not(idle_group):
         await asyncio.sleep(2.5)
         expect(await turn(c, busy, [ref("a")]), 400)  # idle in turn: gone
         await no_extra_results(c)
+
+
+# ---------------------------------------------------------------- scope: the connection's own
+
+async def test_another_connection_cannot_read_replace_or_close_a_session(tp1_or_2):
+    s, mine, theirs = sid(), feature(100), feature(101)
+    async with Client(tp1_or_2.addr) as a, Client(tp1_or_2.addr) as b:
+        expect(await turn(a, s, [inline(mine, id="x")]), 200)
+        # b names the same session id: none of a's features are there for it
+        r = expect(await turn(b, s, [ref("x")]), 400, err_type="BadRequestError")
+        assert f"session '{s}' holds no feature 'x'" in r.message, r.message
+        # b storing under the same session and feature id fills b's own session
+        expect(await turn(b, s, [inline(theirs, id="x")]), 200)
+        assert (await b.close_session(s, timeout=30))["session_id"] == s
+        got = expect(await turn(a, s, [ref("x")]), 200)
+        assert got.meta["digests"] == [sha256_of(mine)]  # a's bytes, neither replaced nor closed by b
+        expect(await turn(b, s, [ref("x")]), 400)  # b's close closed b's session
+        await a.close_session(s, timeout=30)
+        await no_extra_results(a)
+        await no_extra_results(b)
+
+
+# ---------------------------------------------------------------- close_session keeps its place
+
+def test_close_session_applies_after_the_requests_sent_before_it(tp1_or_2):
+    """One raw connection, so the order of its replies is seen exactly as they arrive."""
+    s, a, b = sid(), feature(110), feature(111)
+    tag = uuid.uuid4().hex[:6]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(tp1_or_2.addr)
+
+    def send(h: dict, *frames) -> None:
+        sock.send_multipart([msgpack.packb({"v": 1, "input_ids": [4, 5], "session_id": s, **h}), *frames])
+
+    def reply() -> dict:
+        assert sock.poll(30_000), "no reply within 30 s"
+        return msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+
+    def item(t: torch.Tensor, **kw) -> dict:
+        return {"modality": "image", "transport": "inline", "dtype": "float32", "shape": list(t.shape), **kw}
+
+    try:
+        send({"type": "embed", "rid": f"s0-{tag}", "mm_items": [item(a, frame=1, id="a")]}, a.numpy().tobytes())
+        assert reply()["status"] == 200
+        send({"type": "embed", "rid": f"shold-{tag}", "session_id": None})  # holds the lane STALL_S s
+        time.sleep(0.5)
+        # queued behind it, back to back: a turn that uses "a" and stores "b", the close, a late ref
+        send({"type": "embed", "rid": f"sb-{tag}", "want_digest": True,
+              "mm_items": [{"transport": "session", "ref": "a", "modality": "image"}, item(b, frame=1, id="b")]},
+             b.numpy().tobytes())
+        send({"type": "close_session"})
+        send({"type": "embed", "rid": f"sa-{tag}", "mm_items": [{"transport": "session", "ref": "a",
+                                                                "modality": "image"}]})
+        got = [reply() for _ in range(4)]
+        seen = [(h["type"], h.get("rid"), h.get("status")) for h in got]
+        assert seen == [("result", f"sa-{tag}", 400),     # sent after the close: the ref is gone
+                        ("result", f"shold-{tag}", 200),
+                        ("result", f"sb-{tag}", 200),     # sent before the close: ran before it
+                        ("ack", None, None)], [(x, h.get("message")) for x, h in zip(seen, got)]
+        assert got[2]["meta"]["digests"] == [sha256_of(a), sha256_of(b)]
+        assert "holds no feature 'a'" in got[0]["message"], got[0]["message"]
+        for fid in ("a", "b"):  # the close released what the turn before it stored
+            send({"type": "embed", "rid": f"s{fid}-after-{tag}",
+                  "mm_items": [{"transport": "session", "ref": fid, "modality": "image"}]})
+            assert reply()["status"] == 400
+    finally:
+        sock.close(linger=0)
+
+
+# ---------------------------------------------------------------- bounds beyond bytes
+
+async def test_zero_size_features_count_against_the_session_bounds(group):
+    empty = torch.empty(0)
+    async with Client(group.addr) as c:
+        s = sid()  # features: MAX_FEATURES in all, zero bytes each
+        expect(await turn(c, s, [inline(empty, id=f"f{i}") for i in range(16)]), 200)
+        r = expect(await turn(c, s, [inline(empty, id=f"g{i}") for i in range(9)]), 503,
+                   err_type="ServiceUnavailable")
+        assert r.message == (f"session memory full: 16 of {MAX_FEATURES} features held, this turn "
+                             f"brings 9 (session_max_features)"), r.message
+        # replacing stored ids adds no entry: 8 replaced and 8 new fill the bound exactly
+        expect(await turn(c, s, [inline(empty, id=f"f{i}") for i in range(8)]
+                          + [inline(empty, id=f"h{i}") for i in range(8)]), 200)
+        expect(await turn(c, s, [inline(empty, id="one-more")]), 503)
+        expect(await turn(c, s, [ref("h7"), ref("f15")]), 200)
+        await c.close_session(s, timeout=30)
+        opened = [sid() for _ in range(MAX_COUNT)]  # sessions: MAX_COUNT open at once
+        for x in opened:
+            expect(await turn(c, x, [inline(empty, id="e")]), 200)
+        extra = sid()
+        r = expect(await turn(c, extra, [inline(empty, id="e")]), 503, err_type="ServiceUnavailable")
+        assert r.message == (f"session memory full: {MAX_COUNT} of {MAX_COUNT} sessions open "
+                             f"(session_max_count)"), r.message
+        expect(await turn(c, opened[0], [inline(empty, id="e2")]), 200)  # an open one still grows
+        expect(await turn(c, extra, [inline(feature(120))]), 200)  # nothing to keep: no session needed
+        await c.close_session(opened[0], timeout=30)
+        expect(await turn(c, extra, [inline(empty, id="e")]), 200)  # the close freed a place
+        for x in opened[1:] + [extra]:
+            await c.close_session(x, timeout=30)
+        await no_extra_results(c)
+
+
+# ---------------------------------------------------------------- close_session in a drain
+
+@pytest.mark.parametrize("tp", [1, 2])
+async def test_close_session_sent_during_a_drain_is_acked(start_server, tp):
+    srv = start_server("--tp", str(tp), "--fault", "0:stall:dhold-*", "--stall-s", "3")
+    s = sid()
+    async with Client(srv.addr) as c:
+        expect(await turn(c, s, [inline(feature(130), id="a")]), 200)
+        hold = await hold_lane(c, "dhold-1")  # 3 s in the engine: the drain waits for it
+        srv.proc.send_signal(signal.SIGTERM)
+        for _ in range(100):
+            if (await c.ping(timeout=5))["state"] == "draining":
+                break
+            await asyncio.sleep(0.02)
+        ack = await c.close_session(s, timeout=15)
+        assert ack == {"v": 1, "type": "ack", "op": "close_session", "session_id": s}
+        expect(await c.wait("dhold-1", hold, 30), 200)
+    assert srv.proc.wait(30) == 0
