@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,6 +40,7 @@ RUN_DIR = "/run/mmsched"
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(1800),  # a first build downloads and installs for minutes
     pytest.mark.skipif(not (os.environ.get("MMSCHED_IMAGE_TEST") and shutil.which(ENGINE or "-")),
                        reason="`make image-test` builds and runs the image (needs docker or podman)"),
 ]
@@ -91,8 +93,9 @@ def image() -> dict:
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
+    """docker-compose.yml's services."""
     with open(os.path.join(REPO, "docker", "docker-compose.yml")) as fh:
-        return yaml.safe_load(fh)["services"]["mmsched"]
+        return yaml.safe_load(fh)["services"]
 
 
 class Container:
@@ -222,9 +225,10 @@ def _wait(cond, timeout: float, what: str, srv):
 @pytest.mark.parametrize("config", ["baked", "compose"])
 def test_the_image_serves_a_host_client_and_drains(image, compose, box, run_dir, config, tmp_path):
     directory, uid = run_dir
+    service = compose["mmsched"]
     mount = None
     if config == "compose":  # compose's own bind of configs/tp2.toml over the baked config
-        bind = next(v for v in compose["volumes"] if v["target"] == CONFIG)
+        bind = next(v for v in service["volumes"] if v["target"] == CONFIG)
         mount = os.path.normpath(os.path.join(REPO, "docker", bind["source"]))
     log_path = tmp_path / "serve.log"
     t0 = time.monotonic()
@@ -234,7 +238,7 @@ def test_the_image_serves_a_host_client_and_drains(image, compose, box, run_dir,
         f"{'' if mount is None else f' with {os.path.relpath(mount, REPO)} at {CONFIG}'}")
     try:
         sock = os.path.join(directory, "mmsched.sock")
-        pong = _wait(lambda: sync_ping(f"ipc://{sock}", 1.0), 120, "a pong on the shared socket", srv)
+        pong = _wait(lambda: sync_ping(f"ipc://{sock}", 1.0), 90, "a pong on the shared socket", srv)
         say(f"[{config}] host ping ipc://{sock}: {pong} after {time.monotonic() - t0:.1f} s")
         owner = os.stat(sock).st_uid
         assert owner == uid != 0, f"the socket is owned by uid {owner}: the server runs as root"
@@ -249,14 +253,24 @@ def test_the_image_serves_a_host_client_and_drains(image, compose, box, run_dir,
         assert got["status"] == 200, got["message"]
         assert got["digests"] == [got["sent"]], "the ranks read other bytes than the client wrote"
 
-        check = compose["healthcheck"]["test"]
+        check = service["healthcheck"]["test"]
         assert check[0] == "CMD"
         health = _wait(lambda: (r := srv.exec(check[1:])).returncode == 0 and r, 30,
                        "the compose healthcheck passing inside", srv)
         say(f"[{config}] compose healthcheck inside: exit {health.returncode} (healthy)")
 
+        # compose's tokenizer-worker: its command from the image, beside the server (its IPC
+        # namespace, its socket directory), cut to 40 requests in 2 s.
+        worker = list(compose["tokenizer-worker"]["command"])
+        for flag, value in (("--rate", "20"), ("--requests", "40"), ("--duration", "2")):
+            worker[worker.index(flag) + 1] = value
+        load = srv.exec([*image["Entrypoint"], *worker])
+        say(f"[{config}] tokenizer-worker inside: exit {load.returncode}\n{load.stdout.strip()}")
+        assert load.returncode == 0, load.stdout + load.stderr
+        assert re.search(r"^\s*200\s+40\s", load.stdout, re.M), "not every worker request got a 200"
+
         t1 = time.monotonic()
-        code = srv.stop(timeout=_seconds(compose["stop_grace_period"]))
+        code = srv.stop(timeout=_seconds(service["stop_grace_period"]))
         logs = log_path.read_text(errors="replace")
         say(f"[{config}] SIGTERM: exit {code} in {time.monotonic() - t1:.1f} s; "
             f"log has draining={'draining' in logs} stopped={'stopped' in logs}")
