@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 ARGS   ?=
 
-.PHONY: install serve test loadtest bench soak fuzz clean
+.PHONY: install serve test loadtest bench soak fuzz clean image image-test
 
 install: $(STAMP)
 
@@ -36,6 +36,35 @@ fuzz: install
 
 soak: install
 	$(BIN)/python -m pytest -q -m slow $(ARGS)
+
+# The image of docker/Dockerfile, with docker (its daemon running) or else podman. Offline
+# (no registry for python:3.11-slim, no torch index): BASE_IMAGE=mmsched-base:bookworm from
+# docker/base-image.sh, and TORCH_WHEELS=DIR, a directory holding the torch wheel. PIP_CERT
+# (pip's own variable, taken from the environment): a CA bundle the build's pip trusts.
+IMAGE           ?= mmsched:latest
+BASE_IMAGE      ?=
+TORCH_INDEX_URL ?=
+TORCH_WHEELS    ?=
+PIP_CERT        ?=
+comma           := ,
+ENGINE          ?= $(shell if docker info >/dev/null 2>&1; then echo docker; elif command -v podman >/dev/null; then echo podman; fi)
+# podman builds in a chroot: no OCI runtime (cgroups, rlimits) needed, so it builds in sandboxes too
+BUILD_FLAGS     ?= --network=host $(if $(filter podman,$(ENGINE)),--isolation=chroot)
+
+image:
+	@test -n "$(ENGINE)" || { echo "make image: needs docker with a running daemon, or podman (apt-get install podman)" >&2; exit 1; }
+	$(ENGINE) build -f docker/Dockerfile -t $(IMAGE) $(BUILD_FLAGS) \
+	  $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) \
+	  $(if $(TORCH_INDEX_URL),--build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL)) \
+	  $(if $(TORCH_WHEELS),--build-context torch-wheels=$(TORCH_WHEELS)) \
+	  $(if $(PIP_CERT),--secret id=pip-cert$(comma)src=$(PIP_CERT)) .
+
+# Builds the image, then serves from it as compose would and drives it from this host
+# (tests/image/test_image.py; several minutes). Takes the variables of `make image`.
+image-test: install
+	MMSCHED_IMAGE_TEST=1 IMAGE=$(IMAGE) ENGINE=$(ENGINE) BASE_IMAGE=$(BASE_IMAGE) \
+	  TORCH_INDEX_URL=$(TORCH_INDEX_URL) TORCH_WHEELS=$(TORCH_WHEELS) \
+	  $(BIN)/python -m pytest -q -s -m slow tests/image $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
