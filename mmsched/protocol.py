@@ -377,7 +377,12 @@ def _ipc(ipc: Any, f: str, limits: Limits) -> dict:
     for key, lo in (("ranks", 1), ("slot", 0), ("offset", 0), ("generation", 1)):
         if not _is_int(ipc.get(key)) or ipc[key] < lo:
             raise BadRequest(f"{f}.{key}", f"must be an int >= {lo}")
-    return {k: ipc[k] for k in ("device", "handle", "acks", "ranks", "slot", "offset", "generation")}
+    out = {k: ipc[k] for k in ("device", "handle", "acks", "ranks", "slot", "offset", "generation")}
+    if ipc.get("acks_id") is not None:  # optional: the board's inode, so a re-created board is told apart
+        if not _is_int(ipc["acks_id"]) or ipc["acks_id"] < 0:
+            raise BadRequest(f"{f}.acks_id", "must be an int >= 0 (the ack board's inode)")
+        out["acks_id"] = ipc["acks_id"]
+    return out
 
 
 def _frame_len(frame: Any) -> int:

@@ -193,13 +193,23 @@ class AckBoard:
         """Still the board under its name: acks for a re-created pool go to its new board."""
         return _same_file(self.name, self.inode)
 
-    def ack(self, slot: int, rank: int, ranks: int, generation: int) -> None:
+    def check(self, ipc: dict, rank: int) -> int:
+        """The position of ``rank``'s cell for this lease; raises when this board is not the
+        one the request was sent with (re-created under its name) or has no such cell."""
+        if ipc.get("acks_id") is not None and ipc["acks_id"] != self.inode:
+            raise FeatureError(f"ack board {self.name} was re-created since the request was sent "
+                               f"(inode {self.inode}, the request names {ipc['acks_id']})")
+        ranks = ipc["ranks"]
         if not 0 <= rank < ranks:  # it would land in another slot's cell and free an unread lease
             raise FeatureError(f"ack board {self.name} has {ranks} rank columns; no cell for rank {rank}")
-        pos = (slot * ranks + rank) * 8
+        pos = (ipc["slot"] * ranks + rank) * 8
         if pos + 8 > os.fstat(self._fd).st_size:
-            raise FeatureError(f"ack board {self.name} has no cell for slot {slot}, rank {rank}")
-        os.pwrite(self._fd, int(generation).to_bytes(8, "little", signed=True), pos)
+            raise FeatureError(f"ack board {self.name} has no cell for slot {ipc['slot']}, rank {rank}")
+        return pos
+
+    def ack(self, ipc: dict, rank: int) -> None:
+        """Write the lease's generation into ``rank``'s cell (after ``check``'s refusals)."""
+        os.pwrite(self._fd, int(ipc["generation"]).to_bytes(8, "little", signed=True), self.check(ipc, rank))
 
     def read(self) -> np.ndarray:
         raw = os.pread(self._fd, self.slots * self.ranks * 8, 0)
@@ -267,7 +277,7 @@ class IpcPool:
     def item(self, t: torch.Tensor, lease: Lease) -> dict:
         """The ``ipc`` map of a cuda_ipc item (see docs/protocol.md)."""
         return {"device": self.device.kind, "handle": self.handle, "acks": self.board.name,
-                "ranks": self.ranks, "slot": lease.slot, "offset": lease.offset,
+                "acks_id": self.board.inode, "ranks": self.ranks, "slot": lease.slot, "offset": lease.offset,
                 "generation": lease.generation}
 
     @property
@@ -323,9 +333,9 @@ def acknowledge(item: Item, ranks: range | list[int], rid: str | None = None) ->
     ipc = item.ipc
     try:
         lease = ATTACHED.boards.lease(ipc["acks"])
-        try:
+        try:  # never into a board re-created since: that would free another lease's slot
             for r in ranks:
-                lease.handle.ack(ipc["slot"], r, ipc["ranks"], ipc["generation"])
+                lease.handle.ack(ipc, r)
         finally:
             ATTACHED.boards.release(lease)
     except Exception as exc:  # noqa: BLE001 - a release path
@@ -340,9 +350,15 @@ class CudaIpcFeature(OpenedFeature):
         super().__init__(item, rid, faults)
 
     def _open(self) -> None:
-        if self.item.ipc["ranks"] < self.world:
-            raise FeatureError(f"ack board has {self.item.ipc['ranks']} rank columns, the group has {self.world}")
-        self._pool = ATTACHED.pools.lease((self.item.ipc["device"], self.item.ipc["handle"]))
+        ipc = self.item.ipc
+        if ipc["ranks"] < self.world:
+            raise FeatureError(f"ack board has {ipc['ranks']} rank columns, the group has {self.world}")
+        board = ATTACHED.boards.lease(ipc["acks"])
+        try:  # a board re-created since the request was sent means its pool was too: not ours to read
+            board.handle.check(ipc, self.rank)
+        finally:
+            ATTACHED.boards.release(board)
+        self._pool = ATTACHED.pools.lease((ipc["device"], ipc["handle"]))
 
     def _open_failed(self) -> None:
         self._ack()  # this rank will never read it: say so now, not at release

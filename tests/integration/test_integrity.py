@@ -206,29 +206,39 @@ async def test_more_ipc_pools_in_one_burst_than_a_rank_keeps_attached(server):
 
 
 async def test_an_ipc_pool_recreated_under_its_name_is_read_and_acked_anew(server):
-    """The producer re-creates its pool (buffer and ack board) under the same names: the next
-    request reads the new buffer, and its acknowledgements land on the new board."""
+    """The producer re-creates its pool (buffer and ack board) under the same names, and its
+    generations start again at 1. A request sent to the old pool must neither read the new
+    buffer nor acknowledge into the new board (that would free the new lease's slot before
+    any rank read it: the producer's next write would then reach a 200). Requests for the
+    new pool read it and acknowledge on its board."""
     from mmsched.transport.cuda_ipc import IpcPool, ShmDevice
 
     world = 2 if "--tp" in server.proc.args else 1
     pool = IpcPool(ShmDevice(), slots=1, slot_bytes=16 << 10, ranks=world)
+
+    def cells() -> list[int]:
+        with open(f"/dev/shm/{pool.board.name}", "rb") as fh:
+            return [int.from_bytes(fh.read(8), "little") for _ in range(world)]
+
     try:
         old, new = payload(800), payload(801)[: len(payload(800))]
         t = torch.frombuffer(bytearray(old), dtype=torch.uint8)
-        item = {"modality": "image", "transport": "cuda_ipc", "dtype": "uint8", "shape": [len(old)],
-                "ipc": pool.item(t, pool.lease(t))}
+        stale = {"modality": "image", "transport": "cuda_ipc", "dtype": "uint8", "shape": [len(old)],
+                 "ipc": pool.item(t, pool.lease(t))}
         async with Client(server.addr) as c:
-            r = await c.request("embed", [1], [raw(item)], rid="ipc-old", want_digest=True, timeout=60)
+            r = await c.request("embed", [1], [raw(stale)], rid="ipc-old", want_digest=True, timeout=60)
             assert (r.status, r.meta.get("digests")) == (200, [sha(old)]), r.message
             assert pool.reclaim() == 1
-            replace_segment(pool.buffer.name, new)                      # same name, new inode, new bytes
-            replace_segment(pool.board.name, bytes(8 * world))          # a fresh board: no acks yet
-            r = await c.request("embed", [1], [raw(item)], rid="ipc-new", want_digest=True, timeout=60)
+            replace_segment(pool.buffer.name, new)                      # same names, new inodes,
+            replace_segment(pool.board.name, bytes(8 * world))          # generation 1 again, unread
+            fresh = {**stale, "ipc": {**stale["ipc"], "acks_id": os.stat(f"/dev/shm/{pool.board.name}").st_ino}}
+            r = await c.request("embed", [1], [raw(stale)], rid="ipc-stale", want_digest=True, timeout=60)
+            assert r.status == 500 and "re-created" in r.message, (r.status, r.message, r.meta)
+            assert cells() == [0] * world, "a request for the old board acknowledged the new lease"
+            r = await c.request("embed", [1], [raw(fresh)], rid="ipc-new", want_digest=True, timeout=60)
         assert r.status == 200, r.message
         assert r.meta["digests"] == [sha(new)], "read the re-created pool's old buffer"
-        with open(f"/dev/shm/{pool.board.name}", "rb") as fh:
-            cells = [int.from_bytes(fh.read(8), "little") for _ in range(world)]
-        assert cells == [item["ipc"]["generation"]] * world, "acks went to the old board"
+        assert cells() == [fresh["ipc"]["generation"]] * world, "the new lease was not acknowledged"
     finally:
         pool.close()
 

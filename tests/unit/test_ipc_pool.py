@@ -50,6 +50,11 @@ def item_for(pool: IpcPool, t: torch.Tensor, lease):
     return decode([pack(header)], Limits()).items[0]
 
 
+def ack(pool: IpcPool, lease, rank: int, generation: int) -> None:
+    """What a rank writes after copying ``lease`` (as of ``generation``)."""
+    pool.board.ack({"ranks": pool.ranks, "slot": lease.slot, "generation": generation}, rank)
+
+
 def cell(pool: IpcPool, slot: int, rank: int) -> int:
     return int(pool.board.read()[slot, rank])
 
@@ -61,10 +66,10 @@ def test_a_slot_is_recycled_only_after_every_rank_acknowledged(make_pool):
     lease = pool.lease(tensor(1))
     assert (lease.slot, lease.generation, lease.nbytes) == (0, 1, 64 * 4)
     assert (pool.num_free, pool.num_leased) == (3, 1)
-    pool.board.ack(lease.slot, 0, 2, lease.generation)
+    ack(pool, lease, 0, lease.generation)
     assert pool.reclaim() == 0, "rank 1 has not read the slot yet"
     assert pool.num_leased == 1
-    pool.board.ack(lease.slot, 1, 2, lease.generation)
+    ack(pool, lease, 1, lease.generation)
     assert pool.reclaim() == 1
     assert (pool.num_free, pool.num_leased) == (4, 0)
     assert pool.reclaim() == 0  # freed once
@@ -74,17 +79,17 @@ def test_a_stale_ack_does_not_free_a_newer_lease(make_pool):
     pool = make_pool(slots=1, ranks=2)
     first = pool.lease(tensor(1))
     for r in (0, 1):
-        pool.board.ack(first.slot, r, 2, first.generation)
+        ack(pool, first, r, first.generation)
     assert pool.reclaim() == 1
     second = pool.lease(tensor(2))
     assert second.slot == first.slot and second.generation == first.generation + 1
     # the board still holds both ranks' acks of the first lease: they do not count
     assert pool.reclaim() == 0
     assert pool.lease(tensor(3)) is None
-    pool.board.ack(second.slot, 0, 2, second.generation)
-    pool.board.ack(second.slot, 1, 2, first.generation)  # a late ack of the old lease
+    ack(pool, second, 0, second.generation)
+    ack(pool, second, 1, first.generation)  # a late ack of the old lease
     assert pool.reclaim() == 0
-    pool.board.ack(second.slot, 1, 2, second.generation)
+    ack(pool, second, 1, second.generation)
     assert pool.reclaim() == 1
 
 
@@ -234,3 +239,22 @@ def test_the_leader_acknowledges_for_every_rank_when_none_will_read(make_pool):
     acknowledge(item_for(pool, t, lease), range(4), "r")
     assert pool.board.read()[lease.slot].tolist() == [lease.generation] * 4
     assert pool.reclaim() == 1
+
+
+def test_acks_for_a_board_re_created_under_its_name_go_nowhere(make_pool):
+    """A producer that re-creates its pool and board under the same names restarts at
+    generation 1: the acks of requests sent to the old board must not free the new leases."""
+    pool = make_pool(slots=1, ranks=1)
+    t = tensor(1)
+    old = item_for(pool, t, pool.lease(t))
+    assert old.ipc["acks_id"] == pool.board.inode
+    os.unlink(shm_path(pool.board.name))  # re-created: same name, new inode, no acks yet
+    fd = os.open(shm_path(pool.board.name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.write(fd, bytes(8))
+    os.close(fd)
+    f = open_feature(old, "r", NO_FAULTS, None, 0, 1)
+    assert "re-created since the request was sent" in str(f.error)  # a 500, not the new pool's bytes
+    f.release(unlink=True)
+    acknowledge(old, [0])
+    with open(shm_path(pool.board.name), "rb") as fh:
+        assert fh.read() == bytes(8), "an old request's ack landed on the new board"
