@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -99,12 +100,7 @@ async def test_bad_names_are_refused_and_nothing_is_opened(server, tmp_path):
     outside = tmp_path / "victim"  # a file outside /dev/shm
     outside.write_bytes(b"precious" * 4)
     inner_dir = os.path.join(SHM, f"mmsched_{tag}.d")  # a real directory a traversal could enter
-    os.mkdir(inner_dir)
     inner = os.path.join(inner_dir, "x")
-    with open(foreign_path, "wb") as fh:
-        fh.write(b"foreign!" * 4)
-    with open(inner, "wb") as fh:
-        fh.write(b"inner..." * 4)
     rel = os.path.relpath(str(outside), SHM)
     names = [
         foreign,                                  # no prefix
@@ -116,8 +112,14 @@ async def test_bad_names_are_refused_and_nothing_is_opened(server, tmp_path):
         str(outside),                             # outside /dev/shm, absolute
         "mmsched_a b", "mmsched_é", "mmsched_\x00x", "mmsched_" + "x" * 193, "", "mmsched",
     ]
-    watch = Watch(foreign_path, str(outside), inner)
-    try:
+    os.mkdir(inner_dir)
+    watch = None
+    try:  # one cleanup for every exit: a failed assert must not leave these behind
+        with open(foreign_path, "wb") as fh:
+            fh.write(b"foreign!" * 4)
+        with open(inner, "wb") as fh:
+            fh.write(b"inner..." * 4)
+        watch = Watch(foreign_path, str(outside), inner)
         async with Client(server.addr) as c:
             for i, name in enumerate(names):
                 for extra in ({}, {"pooled": True}):
@@ -137,9 +139,6 @@ async def test_bad_names_are_refused_and_nothing_is_opened(server, tmp_path):
                 assert r.status == 400 and "ipc.handle" in r.message, (name, r)
             await c.ping(timeout=10)
         events = watch.events()
-    finally:
-        watch.close()
-    try:
         assert events == [], f"a refused name was opened or touched: {events}"
         with open(foreign_path, "rb") as fh:
             assert fh.read() == b"foreign!" * 4
@@ -147,8 +146,11 @@ async def test_bad_names_are_refused_and_nothing_is_opened(server, tmp_path):
         with open(inner, "rb") as fh:
             assert fh.read() == b"inner..." * 4
     finally:
-        os.unlink(foreign_path)
-        os.unlink(inner)
+        if watch is not None:
+            watch.close()
+        for path in (foreign_path, inner):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         os.rmdir(inner_dir)
 
 
