@@ -26,6 +26,7 @@ ITEMSIZE = {
     "int8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
 }
 REQUEST_TYPES = frozenset({"generate", "embed"})
+SMALL_HEADER = 16 << 10  # a header this small is decoded in one call: ~1.5 MB at worst, and 4x faster
 MAX_PARAMS_DEPTH = 32  # msgpack refuses to pack past ~1000 levels: a deep params map must not reach the ranks
 
 # result statuses and their err_type
@@ -50,6 +51,14 @@ class Limits:
     max_new_tokens: int = 4096
     default_max_new_tokens: int = 8
     max_message_bytes: int = 256 << 20
+    max_params_bytes: int = 64 << 10
+    max_params_items: int = 4096
+
+    @property
+    def max_containers(self) -> int:
+        """Maps and arrays a header may hold outside ``params``: the header, ``input_ids``,
+        ``mm_items``, and per item its map, ``shape`` and ``ipc`` (with room to spare)."""
+        return 16 + 4 * self.max_items
 
 
 @dataclass(slots=True)
@@ -184,26 +193,136 @@ def ack_close(session_id: str) -> dict:
 
 # ---------------------------------------------------------------- decoding
 
-def unpack_header(frame: Any) -> dict:
-    """Frame 0 → the header map; any failure is a 400 with rid nil."""
+def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
+    """Frame 0 → the header map; any failure is a 400 with rid nil.
+
+    Decoding costs memory in proportion to the frame's bytes: ``params`` over
+    ``max_params_bytes`` is skipped unread (``decode`` refuses it, naming ``params``), and
+    the other fields may build at most ``limits.max_containers`` maps and arrays (an empty
+    map is 1 byte on the wire and ~100 in memory)."""
+    header: dict = {}
     try:
-        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        if _frame_len(frame) <= min(SMALL_HEADER, limits.max_params_bytes):  # bounded whatever it holds
+            header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+            if not isinstance(header, dict):
+                raise BadRequest("header", "not a MessagePack map")
+            return header
+        view, spans = _top_level(frame)
+        budget = _Budget(limits.max_containers)
+        for kspan, vspan in spans:
+            if not _is_str_or_bin(view[kspan[0]]):  # checked before a key is built
+                raise ValueError("map key is not a string")
+            key = msgpack.unpackb(view[slice(*kspan)], raw=False)
+            size = vspan[1] - vspan[0]
+            if key == "params" and size > limits.max_params_bytes:
+                header[key] = Unread(f"{size} bytes exceed max_params_bytes={limits.max_params_bytes}")
+                continue
+            try:
+                header[key] = msgpack.unpackb(view[slice(*vspan)], raw=False, strict_map_key=True,
+                                              **({} if key == "params" else budget.hooks))
+            except _Budget.Spent:
+                raise BadRequest(key if isinstance(key, str) else "header",
+                                 f"more than {limits.max_containers} maps and arrays (max_items)") from None
+    except BadRequest:
+        raise
     except Exception as exc:  # msgpack raises several unrelated types
         raise BadRequest("header", f"not a MessagePack map ({type(exc).__name__})") from exc
-    if not isinstance(header, dict):
-        raise BadRequest("header", "not a MessagePack map")
     return header
 
 
-def unpack_lenient(frame: Any) -> Any:
-    """Frame 0 as leniently as MessagePack allows (any map keys, bad UTF-8 replaced), or None.
+def unpack_lenient(frame: Any) -> dict | None:
+    """The ``mm_items`` of frame 0 as leniently as MessagePack allows (any map keys, bad
+    UTF-8 replaced, trailing bytes ignored), or None.
 
     Only to find the segments a rejected message names: a header that breaks the contract
-    (an int key deep inside, a string that is not UTF-8) still passed their ownership."""
+    (an int key deep inside, a string that is not UTF-8, too many maps) still passed their
+    ownership. Items are read one at a time and only their name fields kept, so the cost
+    stays in proportion to the frame's bytes."""
     try:
-        return msgpack.unpackb(frame, raw=False, strict_map_key=False, unicode_errors="replace")
+        view, spans = _top_level(frame, trailing_ok=True)
+        items = None
+        for kspan, vspan in spans:
+            if bytes(view[slice(*kspan)]) == _MM_ITEMS_KEY:
+                items = _lenient_items(view[slice(*vspan)])
+        return {"mm_items": items}
     except Exception:  # msgpack raises several unrelated types
         return None
+
+
+_MM_ITEMS_KEY = msgpack.packb("mm_items")
+_KEPT = ("transport", "pooled", "shm_name")  # all ``owned_segments`` reads of an item
+
+
+def _lenient_items(buf: memoryview) -> list | None:
+    up = _unpacker(buf)
+    if buf.nbytes == 0 or buf[0] not in (0xdc, 0xdd) and buf[0] & 0xf0 != 0x90:
+        return None  # not an array
+    items = []
+    for _ in range(up.read_array_header()):
+        start = up.tell()
+        up.skip()
+        try:
+            it = msgpack.unpackb(buf[start:up.tell()], raw=False, strict_map_key=False,
+                                 unicode_errors="replace", **_Budget(64).hooks)
+        except Exception:  # one unreadable item must not hide the others' segments
+            continue
+        if isinstance(it, dict):
+            items.append({k: it[k] for k in _KEPT if k in it})
+    return items
+
+
+def _unpacker(buf: Any) -> msgpack.Unpacker:
+    up = msgpack.Unpacker(raw=False, max_buffer_size=max(1, memoryview(buf).nbytes))
+    up.feed(buf)
+    return up
+
+
+def _top_level(frame: Any, trailing_ok: bool = False) -> tuple[memoryview, list]:
+    """The frame's top-level map as (key span, value span) byte ranges, without building
+    any value: ``skip`` walks MessagePack without allocating."""
+    view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
+    up = _unpacker(view)
+    if view.nbytes == 0 or view[0] not in (0xde, 0xdf) and view[0] & 0xf0 != 0x80:
+        raise ValueError("not a map")
+    spans = []
+    for _ in range(up.read_map_header()):
+        k0 = up.tell()
+        up.skip()
+        k1 = up.tell()
+        up.skip()
+        spans.append(((k0, k1), (k1, up.tell())))
+    if not trailing_ok and up.tell() != view.nbytes:
+        raise msgpack.ExtraData(None, None)
+    return view, spans
+
+
+def _is_str_or_bin(first: int) -> bool:
+    """Does a MessagePack value starting with this byte hold a str or a bin?"""
+    return 0xa0 <= first <= 0xbf or 0xd9 <= first <= 0xdb or 0xc4 <= first <= 0xc6
+
+
+class _Budget:
+    """Counts the maps and arrays MessagePack builds; past ``limit`` it stops the decoding."""
+
+    class Spent(Exception):
+        pass
+
+    def __init__(self, limit: int):
+        self.left = limit
+        self.hooks = {"object_hook": self._count, "list_hook": self._count}
+
+    def _count(self, x: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise self.Spent
+        return x
+
+
+@dataclass(frozen=True)
+class Unread:
+    """A header value left undecoded because it is too big; ``decode`` refuses it by name."""
+
+    problem: str
 
 
 def readable_rid(header: Any) -> str | None:
@@ -214,8 +333,11 @@ def readable_rid(header: Any) -> str | None:
 
 def decode(frames: Sequence[Any], limits: Limits) -> Message:
     """Frames (header first, then payloads as buffers) → a typed message, or BadRequest."""
-    header = unpack_header(frames[0])
+    header = unpack_header(frames[0], limits)
     rid = readable_rid(header)
+    for key, v in header.items():
+        if isinstance(v, Unread):
+            raise BadRequest(key, v.problem, rid)
     size = sum(_frame_len(f) for f in frames)
     if size > limits.max_message_bytes:
         raise BadRequest("message", f"{size} bytes exceed max_message_bytes={limits.max_message_bytes}", rid)
@@ -277,8 +399,12 @@ def _request(h: dict, typ: str, frames: Sequence[Any], limits: Limits) -> Reques
         params = {}
     if not isinstance(params, dict):
         raise BadRequest("params", "must be a map")
-    if _too_deep(params, MAX_PARAMS_DEPTH):  # params are re-packed into the batch every rank receives
+    # params are re-packed into the batch every rank receives: bounded in depth and elements
+    depth, count = _shape_of(params, MAX_PARAMS_DEPTH, limits.max_params_items)
+    if depth > MAX_PARAMS_DEPTH:
         raise BadRequest("params", f"nested deeper than {MAX_PARAMS_DEPTH} levels")
+    if count > limits.max_params_items:
+        raise BadRequest("params", f"more than {limits.max_params_items} elements (max_params_items)")
     mnt = params.get("max_new_tokens", limits.default_max_new_tokens)
     if not _is_int(mnt) or not 1 <= mnt <= limits.max_new_tokens:
         raise BadRequest("params.max_new_tokens", f"must be an int in 1..{limits.max_new_tokens} (max_new_tokens)")
@@ -409,18 +535,19 @@ def _input_ids(v: Any, limits: Limits) -> np.ndarray:
     return arr.astype("<i4", copy=False)
 
 
-def _too_deep(v: Any, limit: int) -> bool:
-    """Do arrays and maps nest deeper than ``limit`` in ``v``? (Iterative: no recursion limit.)"""
-    stack = [(v, 1)]
-    while stack:
+def _shape_of(v: Any, max_depth: int, max_count: int) -> tuple[int, int]:
+    """(depth, elements) of ``v``, counting every map key, value and array entry; stops
+    early once either passes its bound. (Iterative: no recursion limit.)"""
+    stack, depth, count = [(v, 1)], 0, 0
+    while stack and depth <= max_depth and count <= max_count:
         x, d = stack.pop()
-        children = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else None
-        if children is None:
+        if not isinstance(x, (dict, list, tuple)):
             continue
-        if d > limit:
-            return True
+        children = (*x.keys(), *x.values()) if isinstance(x, dict) else x
+        depth = max(depth, d)
+        count += len(children)
         stack.extend((c, d + 1) for c in children)
-    return False
+    return depth, count
 
 
 def _one_of(v: Any, choices) -> bool:
