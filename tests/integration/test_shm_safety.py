@@ -219,8 +219,9 @@ async def test_a_prefixed_directory_is_not_read_nor_removed(server):
         os.rmdir(path)
 
 
-@pytest.mark.parametrize("oddity", [b"\xa6params\x81\x01\x02", b"\xa5extra\xa2\xc3\x28", b"\xa3\xff\xfe\xfd\xc0"],
-                         ids=["int-key-in-a-nested-map", "invalid-utf8-value", "invalid-utf8-key"])
+@pytest.mark.parametrize("oddity", [b"\xa6params\x81\x01\x02", b"\xa5extra\xa2\xc3\x28", b"\xa3\xff\xfe\xfd\xc0",
+                                    b"\xa1x\xc0\x00"],
+                         ids=["int-key-in-a-nested-map", "invalid-utf8-value", "invalid-utf8-key", "one-trailing-byte"])
 def test_a_header_that_breaks_strict_reading_still_releases_its_segments(server, oddity):
     """Ownership passes when a request is sent, even when its header is not valid for the
     contract as a whole: the 400 (rid nil) still unlinks the owned segment, never the pooled one."""
@@ -318,6 +319,26 @@ async def test_offset_plus_nbytes_is_checked_against_the_real_segment_size(serve
 
 def pooled_item(pool: ShmPool, offset: int, nbytes: int) -> dict:
     return shm_item(pool.name, nbytes, offset=offset, pooled=True)
+
+
+async def test_a_zero_size_item_in_an_empty_segment_is_served_pooled_or_not(server):
+    """On main the pooled case was a 500 (``pool … is empty``) where the non-pooled one was a 200."""
+    owned, pool = create_segment(b""), create_segment(b"")
+    try:
+        async with Client(server.addr) as c:
+            r = await c.request("embed", [1], [raw(shm_item(owned.name, 0)), raw(shm_item(pool.name, 0, pooled=True))],
+                                rid="empty-zero", want_digest=True, timeout=10)
+            owned.sent()
+            pooled = await c.request("embed", [1], [raw(shm_item(pool.name, 0, pooled=True))],
+                                     rid="empty-pooled", want_digest=True, timeout=10)
+        assert (r.status, pooled.status) == (200, 200), (r.message, pooled.message)
+        assert r.meta["digests"] == [sha(b"")] * 2 and pooled.meta["digests"] == [sha(b"")]
+        assert not os.path.exists(os.path.join(SHM, owned.name)), "the owned empty segment outlived its 200"
+        assert os.path.exists(os.path.join(SHM, pool.name)), "a pool was unlinked"
+    finally:
+        pool.discard()
+        if os.path.exists(os.path.join(SHM, owned.name)):
+            owned.discard()
 
 
 async def test_pooled_segment_shrunk_or_removed_between_requests(server):
