@@ -196,104 +196,104 @@ def ack_close(session_id: str) -> dict:
 def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
     """Frame 0 → the header map; any failure is a 400 with rid nil.
 
-    Decoding costs memory in proportion to the frame's bytes: ``params`` over
-    ``max_params_bytes`` is skipped unread (``decode`` refuses it, naming ``params``), and
-    the other fields may build at most ``limits.max_containers`` maps and arrays (an empty
-    map is 1 byte on the wire and ~100 in memory)."""
-    header: dict = {}
+    Decoding costs memory in proportion to the frame's bytes (an empty map is 1 byte on
+    the wire and ~100 in memory): ``params`` over ``max_params_bytes`` is left unread, and
+    the other fields together may build at most ``limits.max_containers`` maps and arrays;
+    a field past that is left unread too. ``decode`` refuses an unread field by name."""
     try:
         if _frame_len(frame) <= min(SMALL_HEADER, limits.max_params_bytes):  # bounded whatever it holds
             header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
             if not isinstance(header, dict):
                 raise BadRequest("header", "not a MessagePack map")
             return header
-        view, spans = _top_level(frame)
-        budget = _Budget(limits.max_containers)
-        for kspan, vspan in spans:
-            if not _is_str_or_bin(view[kspan[0]]):  # checked before a key is built
+        header, budget = {}, _Budget(limits.max_containers)
+        for key, value in _map_entries(frame):
+            if not _is_str_or_bin(key[0]):  # checked before a key is built
                 raise ValueError("map key is not a string")
-            key = msgpack.unpackb(view[slice(*kspan)], raw=False)
-            size = vspan[1] - vspan[0]
-            if key == "params" and size > limits.max_params_bytes:
-                header[key] = Unread(f"{size} bytes exceed max_params_bytes={limits.max_params_bytes}")
+            key = msgpack.unpackb(key, raw=False)
+            if key == "params" and value.nbytes > limits.max_params_bytes:
+                header[key] = Unread(f"{value.nbytes} bytes exceed max_params_bytes={limits.max_params_bytes}")
                 continue
             try:
-                header[key] = msgpack.unpackb(view[slice(*vspan)], raw=False, strict_map_key=True,
+                header[key] = msgpack.unpackb(value, raw=False, strict_map_key=True,
                                               **({} if key == "params" else budget.hooks))
             except _Budget.Spent:
-                raise BadRequest(key if isinstance(key, str) else "header",
-                                 f"more than {limits.max_containers} maps and arrays (max_items)") from None
+                header[key] = Unread(f"more than {limits.max_containers} maps and arrays in the header (max_items)")
+        return header
     except BadRequest:
         raise
     except Exception as exc:  # msgpack raises several unrelated types
         raise BadRequest("header", f"not a MessagePack map ({type(exc).__name__})") from exc
-    return header
 
 
 def unpack_lenient(frame: Any) -> dict | None:
     """The ``mm_items`` of frame 0 as leniently as MessagePack allows (any map keys, bad
-    UTF-8 replaced, trailing bytes ignored), or None.
+    UTF-8 replaced, trailing bytes ignored, fields left unread by ``unpack_header``), or None.
 
     Only to find the segments a rejected message names: a header that breaks the contract
-    (an int key deep inside, a string that is not UTF-8, too many maps) still passed their
-    ownership. Items are read one at a time and only their name fields kept, so the cost
-    stays in proportion to the frame's bytes."""
+    still passed their ownership. Of each item only the fields ``owned_segments`` reads are
+    decoded, so the cost stays in proportion to the frame's bytes."""
     try:
-        view, spans = _top_level(frame, trailing_ok=True)
-        items = None
-        for kspan, vspan in spans:
-            if bytes(view[slice(*kspan)]) == _MM_ITEMS_KEY:
-                items = _lenient_items(view[slice(*vspan)])
-        return {"mm_items": items}
+        header = {}
+        for key, value in _map_entries(frame, trailing_ok=True):
+            if bytes(key) == _MM_ITEMS_KEY:
+                header["mm_items"] = _lenient_items(value)
+        return header
     except Exception:  # msgpack raises several unrelated types
         return None
 
 
 _MM_ITEMS_KEY = msgpack.packb("mm_items")
-_KEPT = ("transport", "pooled", "shm_name")  # all ``owned_segments`` reads of an item
+_KEPT = {msgpack.packb(k): k for k in ("transport", "pooled", "shm_name")}  # what owned_segments reads
 
 
 def _lenient_items(buf: memoryview) -> list | None:
-    up = _unpacker(buf)
-    if buf.nbytes == 0 or buf[0] not in (0xdc, 0xdd) and buf[0] & 0xf0 != 0x90:
+    if buf[0] not in (0xdc, 0xdd) and buf[0] & 0xf0 != 0x90:
         return None  # not an array
-    items = []
+    up, items = _unpacker(buf), []
     for _ in range(up.read_array_header()):
         start = up.tell()
         up.skip()
-        try:
-            it = msgpack.unpackb(buf[start:up.tell()], raw=False, strict_map_key=False,
-                                 unicode_errors="replace", **_Budget(64).hooks)
-        except Exception:  # one unreadable item must not hide the others' segments
-            continue
-        if isinstance(it, dict):
-            items.append({k: it[k] for k in _KEPT if k in it})
+        item = buf[start:up.tell()]
+        if _is_map(item[0]):
+            kept = {}
+            for key, value in _map_entries(item):
+                if bytes(key) in _KEPT:
+                    try:
+                        kept[_KEPT[bytes(key)]] = msgpack.unpackb(value, raw=False, strict_map_key=False,
+                                                                  unicode_errors="replace", **_Budget(0).hooks)
+                    except Exception:  # an unreadable value names no segment
+                        pass
+            items.append(kept)
     return items
 
 
-def _unpacker(buf: Any) -> msgpack.Unpacker:
-    up = msgpack.Unpacker(raw=False, max_buffer_size=max(1, memoryview(buf).nbytes))
+def _unpacker(buf: memoryview) -> msgpack.Unpacker:
+    up = msgpack.Unpacker(raw=False, max_buffer_size=max(1, buf.nbytes))
     up.feed(buf)
     return up
 
 
-def _top_level(frame: Any, trailing_ok: bool = False) -> tuple[memoryview, list]:
-    """The frame's top-level map as (key span, value span) byte ranges, without building
-    any value: ``skip`` walks MessagePack without allocating."""
+def _map_entries(frame: Any, trailing_ok: bool = False) -> list[tuple[memoryview, memoryview]]:
+    """A MessagePack map's entries as (encoded key, encoded value), without building any
+    of them: ``skip`` walks MessagePack without allocating."""
     view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
-    up = _unpacker(view)
-    if view.nbytes == 0 or view[0] not in (0xde, 0xdf) and view[0] & 0xf0 != 0x80:
+    if view.nbytes == 0 or not _is_map(view[0]):
         raise ValueError("not a map")
-    spans = []
+    up, entries = _unpacker(view), []
     for _ in range(up.read_map_header()):
         k0 = up.tell()
         up.skip()
         k1 = up.tell()
         up.skip()
-        spans.append(((k0, k1), (k1, up.tell())))
+        entries.append((view[k0:k1], view[k1:up.tell()]))
     if not trailing_ok and up.tell() != view.nbytes:
         raise msgpack.ExtraData(None, None)
-    return view, spans
+    return entries
+
+
+def _is_map(first: int) -> bool:
+    return first in (0xde, 0xdf) or first & 0xf0 == 0x80
 
 
 def _is_str_or_bin(first: int) -> bool:

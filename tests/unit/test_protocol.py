@@ -309,7 +309,8 @@ def test_params_bounded_by_element_count():
 def test_a_big_header_builds_a_bounded_number_of_maps_and_arrays():
     n = LIMITS.max_containers + 1
     exc = bad(base(mm_items=[{}] * n, pad=PAD))
-    assert (exc.field, str(exc)) == ("mm_items", f"mm_items: more than {LIMITS.max_containers} maps and arrays (max_items)")
+    assert (exc.field, exc.rid, str(exc)) == \
+        ("mm_items", "r-1", f"mm_items: more than {LIMITS.max_containers} maps and arrays in the header (max_items)")
     h = base(pad=PAD)
     assert isinstance(unpack_header(pack(h)), dict) and decode(frames_of(h), LIMITS).rid == "r-1"
 
@@ -320,7 +321,7 @@ def test_lenient_reading_finds_names_past_what_strict_reading_refuses(junk):
     h["mm_items"] = [{}] * LIMITS.max_containers + h["mm_items"]  # too many maps for the strict read
     frame = pack(h) + junk
     with pytest.raises(BadRequest):
-        unpack_header(frame)
+        decode([frame], LIMITS)
     assert owned_segments(unpack_lenient(frame), PREFIX) == [PREFIX + "abc"]
     assert owned_segments(unpack_lenient(pack(base()) + junk), PREFIX) == [PREFIX + "abc"]
 
@@ -357,6 +358,9 @@ def test_owned_segments_from_a_malformed_header():
         ],
     }
     assert owned_segments(header, PREFIX) == [good, PREFIX + "owned_2"]
+    assert owned_segments(unpack_lenient(pack(header)), PREFIX) == [good, PREFIX + "owned_2"]
+    header["mm_items"].insert(0, {"transport": "shm", "junk": [[]] * 5000, "shm_name": PREFIX + "big_item"})
+    assert owned_segments(unpack_lenient(pack(header)), PREFIX) == [PREFIX + "big_item", good, PREFIX + "owned_2"]
     with pytest.raises(BadRequest):
         decode([pack(header)], LIMITS)
 
