@@ -105,6 +105,17 @@ async def hold_lane(c: Client, tag: str) -> asyncio.Future:
     return fut
 
 
+async def one_batch(c: Client, tag: str, send) -> tuple[dict[str, Result], dict]:
+    """Behind a held lane, ``send()`` (rid -> future) forms one batch: its results, then a pong."""
+    hold = await hold_lane(c, tag)
+    futs = send()
+    assert not hold.done(), "the held batch finished before the next batch was queued"
+    got = await results(c, futs)
+    await c.wait(f"slow-hold-{tag}", hold)
+    await no_extra_results(c)
+    return got, await c.ping(timeout=10)
+
+
 # ---------------------------------------------------------------- shared groups
 
 @pytest.fixture(scope="module")
@@ -193,14 +204,9 @@ async def test_ranks_holding_different_bytes_get_a_digest_mismatch_500(group):
     tag = uuid.uuid4().hex[:6]
     tensors = {f"bad1-{tag}": feature(30), f"bad0-{tag}": feature(31), f"ok-{tag}": feature(32)}
     async with Client(srv.addr) as c:
-        hold = await hold_lane(c, tag)
-        futs = {rid: c.send_request("embed", [3], [shm(t), inline(t[:1])], rid=rid, want_digest=True)
-                for rid, t in tensors.items()}
-        assert not hold.done(), "the held batch finished before the next batch was queued"
-        got = await results(c, futs)
-        await c.wait(f"slow-hold-{tag}", hold)
-        await no_extra_results(c)
-        pong = await c.ping(timeout=10)
+        got, pong = await one_batch(c, tag, lambda: {
+            rid: c.send_request("embed", [3], [shm(t), inline(t[:1])], rid=rid, want_digest=True)
+            for rid, t in tensors.items()})
     for rid in (f"bad1-{tag}", f"bad0-{tag}"):  # with two ranks, rank 1 is the one that differs
         r = got[rid]
         assert (r.status, r.err_type) == (500, "InternalServerError"), (rid, r.status, r.message)
@@ -219,15 +225,10 @@ async def test_engine_failure_on_one_rank_fails_only_that_request(group):
     tag = uuid.uuid4().hex[:6]
     tensors = {f"eng-{tag}": feature(10), f"ok-{tag}-1": feature(11), f"ok-{tag}-2": feature(12)}
     async with Client(srv.addr) as c:
-        hold = await hold_lane(c, tag)
-        futs = {rid: c.send_request("generate", [5, 6, 7], [shm(t)], rid=rid, want_digest=True,
-                                    params={"max_new_tokens": 4})
-                for rid, t in tensors.items()}
-        assert not hold.done(), "the held batch finished before the next batch was queued"
-        got = await results(c, futs)
-        await c.wait(f"slow-hold-{tag}", hold)
-        await no_extra_results(c)
-        pong = await c.ping(timeout=10)
+        got, pong = await one_batch(c, tag, lambda: {
+            rid: c.send_request("generate", [5, 6, 7], [shm(t)], rid=rid, want_digest=True,
+                                params={"max_new_tokens": 4})
+            for rid, t in tensors.items()})
     bad = got[f"eng-{tag}"]
     assert bad.status == 500, bad
     assert bad.meta["stage"] == "engine"
