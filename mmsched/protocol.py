@@ -208,9 +208,9 @@ def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
             return header
         header, budget = {}, _Budget(limits.max_containers)
         for key, value in _map_entries(frame):
-            if not _is_str_or_bin(key[0]):  # checked before a key is built
+            key = _key(key)
+            if key is None:
                 raise ValueError("map key is not a string")
-            key = msgpack.unpackb(key, raw=False)
             if key == "params" and value.nbytes > limits.max_params_bytes:
                 header[key] = Unread(f"{value.nbytes} bytes exceed max_params_bytes={limits.max_params_bytes}")
                 continue
@@ -236,15 +236,14 @@ def unpack_lenient(frame: Any) -> dict | None:
     try:
         header = {}
         for key, value in _map_entries(frame, trailing_ok=True):
-            if bytes(key) == _MM_ITEMS_KEY:
+            if _key(key, "replace") == "mm_items":
                 header["mm_items"] = _lenient_items(value)
         return header
     except Exception:  # msgpack raises several unrelated types
         return None
 
 
-_MM_ITEMS_KEY = msgpack.packb("mm_items")
-_KEPT = {msgpack.packb(k): k for k in ("transport", "pooled", "shm_name")}  # what owned_segments reads
+_KEPT = ("transport", "pooled", "shm_name")  # what owned_segments reads of an item
 
 
 def _lenient_items(buf: memoryview) -> list | None:
@@ -258,10 +257,10 @@ def _lenient_items(buf: memoryview) -> list | None:
         if _is_map(item[0]):
             kept = {}
             for key, value in _map_entries(item):
-                if bytes(key) in _KEPT:
+                key = _key(key, "replace")
+                if key in _KEPT:
                     try:
-                        kept[_KEPT[bytes(key)]] = msgpack.unpackb(value, raw=False, strict_map_key=False,
-                                                                  unicode_errors="replace", **_Budget(0).hooks)
+                        kept[key] = msgpack.unpackb(value, raw=False, unicode_errors="replace", **_Budget(0).hooks)
                     except Exception:  # an unreadable value names no segment
                         pass
             items.append(kept)
@@ -296,9 +295,12 @@ def _is_map(first: int) -> bool:
     return first in (0xde, 0xdf) or first & 0xf0 == 0x80
 
 
-def _is_str_or_bin(first: int) -> bool:
-    """Does a MessagePack value starting with this byte hold a str or a bin?"""
-    return 0xa0 <= first <= 0xbf or 0xd9 <= first <= 0xdb or 0xc4 <= first <= 0xc6
+def _key(buf: memoryview, unicode_errors: str = "strict") -> str | bytes | None:
+    """An encoded map key, if it is a str or a bin (checked before anything is built)."""
+    first = buf[0]
+    if 0xa0 <= first <= 0xbf or 0xd9 <= first <= 0xdb or 0xc4 <= first <= 0xc6:
+        return msgpack.unpackb(buf, raw=False, unicode_errors=unicode_errors)
+    return None
 
 
 class _Budget:

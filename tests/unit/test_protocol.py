@@ -324,6 +324,8 @@ def test_lenient_reading_finds_names_past_what_strict_reading_refuses(junk):
         decode([frame], LIMITS)
     assert owned_segments(unpack_lenient(frame), PREFIX) == [PREFIX + "abc"]
     assert owned_segments(unpack_lenient(pack(base()) + junk), PREFIX) == [PREFIX + "abc"]
+    str8 = b"\x81\xd9\x08mm_items" + pack([{"transport": "shm", "shm_name": PREFIX + "s8"}])  # a longer str form
+    assert owned_segments(unpack_lenient(str8 + junk), PREFIX) == [PREFIX + "s8"]
 
 
 def test_decode_does_not_mutate_header_copy():
