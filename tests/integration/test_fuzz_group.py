@@ -15,7 +15,9 @@ The oracle, from the contract alone:
   whose rid is readable and whose kind has a result (requests, malformed anything), a pong per
   ping, an ack per close_session, nothing for a well-formed abort; nothing more, ever;
 - each result is well-formed, comes back on the socket that sent the message, and its status is
-  one the contract allows for that message (a request whose params are over a bound: 400 only);
+  one the contract allows for that message (a request whose params are over a bound: 400 only; a
+  header over 16 KiB is read field by field as the leader does, and a field over its bound is
+  refused unread, with the rid, whatever it holds);
 - a non-pooled, prefixed shm segment named by a generate/embed message is unlinked by the time
   its result arrives; the fuzzer removes the segments it created for anything else itself;
 - both rank processes are alive at the end, /dev/shm holds nothing new, and each rank's RSS grew
@@ -40,7 +42,8 @@ import pytest
 import torch
 import zmq
 
-from mmsched.protocol import ITEMSIZE
+from mmsched.errors import BadRequest
+from mmsched.protocol import ITEMSIZE, SMALL_HEADER, Limits, Unread, readable_rid, unpack_header
 from mmsched.transport.cuda_ipc import IpcPool, ShmDevice
 from mmsched.transport.shm import create_segment
 from mmsched.transport.shm_pool import ShmPool
@@ -55,6 +58,7 @@ REPLY_TIMEOUT = 30.0
 RSS_BUDGET_KIB = 64 * 1024
 SESSIONS = [f"fz-s{i}" for i in range(4)]
 MAX_PARAMS_BYTES, MAX_PARAMS_ITEMS = 65536, 4096
+FUZZ_LIMITS = Limits(max_params_bytes=MAX_PARAMS_BYTES, max_params_items=MAX_PARAMS_ITEMS)
 STATUSES = {200: None, 400: "BadRequestError", 499: "RequestAborted", 500: "InternalServerError",
             503: "ServiceUnavailable"}
 GROUP_ARGS = (
@@ -92,6 +96,13 @@ def rss_kib(pid: int) -> int:
 
 def expected(frame0: bytes) -> tuple[str, str | None, frozenset[int]]:
     """(kind of reply, rid it carries, statuses allowed) that the contract promises for a message."""
+    if len(frame0) > SMALL_HEADER:  # read field by field: a field over its bound is refused unread, rid kept
+        try:
+            h = unpack_header(frame0, FUZZ_LIMITS)
+        except BadRequest:
+            return "result", None, frozenset({400})
+        if any(isinstance(v, Unread) for v in h.values()):
+            return "result", readable_rid(h), frozenset({400})
     try:
         h = msgpack.unpackb(frame0, raw=False, strict_map_key=True)
     except Exception:
