@@ -522,6 +522,8 @@ def _input_ids(v: Any, limits: Limits) -> np.ndarray:
             raise BadRequest(f, "bin length must be a multiple of 4 (little-endian int32)")
         arr = np.frombuffer(v, dtype="<i4")
     elif isinstance(v, list):
+        if len(v) > limits.max_input_len:  # before numpy copies it
+            raise BadRequest(f, f"length {len(v)} outside 1..{limits.max_input_len} (max_input_len)")
         try:
             arr = np.array(v) if v else np.zeros(0, dtype=np.int64)
         except (ValueError, TypeError, OverflowError):  # ragged or otherwise not an int array
