@@ -49,7 +49,7 @@ class Config:
     torch_threads: int = _opt(1, "torch intra-op threads per rank (ranks only move data)", 1, 1024)
     log_format: str = _opt("text", "log line format", choices=("text", "json"))
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
-    fault: list = _opt([], "inject failures: RANK:STAGE:RID_GLOB (stages: open materialize release engine stall hold)")
+    fault: list = _opt([], "inject failures: RANK:STAGE:RID_GLOB (stages: open materialize release engine stall hold corrupt)")
     stall_s: float = _opt(3.0, "seconds a 'stall' (engine) or 'hold' (materialize) fault holds its rank", 0, 3600)
     session_idle_timeout: float = _opt(600.0, "seconds a session may sit unused before its features are released", 0.001, 1e9)
     session_max_bytes: int = _opt(1 << 30, "most feature bytes all sessions together may hold; beyond it, 503", 0, 1 << 42)
@@ -62,6 +62,8 @@ class Config:
     max_item_bytes: int = _opt(1 << 30, "most bytes one feature may hold", 0, 1 << 40)
     max_request_bytes: int = _opt(2 << 30, "most feature bytes one request may hold", 0, 1 << 42)
     max_new_tokens: int = _opt(4096, "largest params.max_new_tokens accepted", 1, 1 << 20)
+    max_params_bytes: int = _opt(64 << 10, "most bytes params may take in a request's header (MessagePack)", 0, 1 << 30)
+    max_params_items: int = _opt(4096, "most elements (keys, values, array entries) params may hold", 0, 1 << 24)
     seed: int = _opt(0, "seed of the reference engine's weights", 0, 2**31 - 1)
 
     @property
@@ -69,7 +71,8 @@ class Config:
         return Limits(shm_prefix=self.shm_prefix, max_input_len=self.max_input_len,
                       max_items=self.max_items, max_item_bytes=self.max_item_bytes,
                       max_request_bytes=self.max_request_bytes, max_new_tokens=self.max_new_tokens,
-                      max_message_bytes=self.max_message_bytes)
+                      max_message_bytes=self.max_message_bytes, max_params_bytes=self.max_params_bytes,
+                      max_params_items=self.max_params_items)
 
     @property
     def faults(self) -> list[Fault]:

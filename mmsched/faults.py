@@ -7,6 +7,9 @@ close/unlink failure, after which the real release still runs, so a drill leaves
 peers inside it: the drill for slow collectives and for the collective deadline.
 ``hold`` makes the rank sleep (``stall_s``) while materializing that request, before the
 leader looks for its abort: the drill for a request caught between broadcast and consensus.
+``corrupt`` flips the first byte of each feature the rank materializes (a copy: shared
+buffers stay intact): the drill for ranks holding different bytes, which ``want_digest``
+turns into a 500 ``DigestMismatch``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError, InjectedFault
 
-STAGES = ("open", "materialize", "release", "engine", "stall", "hold")
+STAGES = ("open", "materialize", "release", "engine", "stall", "hold", "corrupt")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ ITEMSIZE = {
     "int8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
 }
 REQUEST_TYPES = frozenset({"generate", "embed"})
+SMALL_HEADER = 16 << 10  # a header this small is decoded in one call: ~1.5 MB at worst, and 4x faster
 MAX_PARAMS_DEPTH = 32  # msgpack refuses to pack past ~1000 levels: a deep params map must not reach the ranks
 
 # result statuses and their err_type
@@ -50,6 +51,14 @@ class Limits:
     max_new_tokens: int = 4096
     default_max_new_tokens: int = 8
     max_message_bytes: int = 256 << 20
+    max_params_bytes: int = 64 << 10
+    max_params_items: int = 4096
+
+    @property
+    def max_containers(self) -> int:
+        """Maps and arrays a header may hold outside ``params``: the header, ``input_ids``,
+        ``mm_items``, and per item its map, ``shape`` and ``ipc`` (with room to spare)."""
+        return 16 + 4 * self.max_items
 
 
 @dataclass(slots=True)
@@ -185,26 +194,138 @@ def ack_close(session_id: str) -> dict:
 
 # ---------------------------------------------------------------- decoding
 
-def unpack_header(frame: Any) -> dict:
-    """Frame 0 → the header map; any failure is a 400 with rid nil."""
+def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
+    """Frame 0 → the header map; any failure is a 400 with rid nil.
+
+    Decoding costs memory in proportion to the frame's bytes (an empty map is 1 byte on
+    the wire and ~100 in memory): ``params`` over ``max_params_bytes`` is left unread, and
+    the other fields together may build at most ``limits.max_containers`` maps and arrays;
+    a field past that is left unread too. ``decode`` refuses an unread field by name."""
     try:
-        header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        if _frame_len(frame) <= min(SMALL_HEADER, limits.max_params_bytes):  # bounded whatever it holds
+            header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+            if not isinstance(header, dict):
+                raise BadRequest("header", "not a MessagePack map")
+            return header
+        header, budget = {}, _Budget(limits.max_containers)
+        for key, value in _map_entries(frame):
+            key = _key(key)
+            if key is None:
+                raise ValueError("map key is not a string")
+            if key == "params" and value.nbytes > limits.max_params_bytes:
+                header[key] = Unread(f"{value.nbytes} bytes exceed max_params_bytes={limits.max_params_bytes}")
+                continue
+            try:
+                header[key] = msgpack.unpackb(value, raw=False, strict_map_key=True,
+                                              **({} if key == "params" else budget.hooks))
+            except _Budget.Spent:
+                header[key] = Unread(f"more than {limits.max_containers} maps and arrays in the header (max_items)")
+        return header
+    except BadRequest:
+        raise
     except Exception as exc:  # msgpack raises several unrelated types
         raise BadRequest("header", f"not a MessagePack map ({type(exc).__name__})") from exc
-    if not isinstance(header, dict):
-        raise BadRequest("header", "not a MessagePack map")
-    return header
 
 
-def unpack_lenient(frame: Any) -> Any:
-    """Frame 0 as leniently as MessagePack allows (any map keys, bad UTF-8 replaced), or None.
+def unpack_lenient(frame: Any) -> dict | None:
+    """The ``mm_items`` of frame 0 as leniently as MessagePack allows (any map keys, bad
+    UTF-8 replaced, trailing bytes ignored, fields left unread by ``unpack_header``), or None.
 
     Only to find the segments a rejected message names: a header that breaks the contract
-    (an int key deep inside, a string that is not UTF-8) still passed their ownership."""
+    still passed their ownership. Of each item only the fields ``owned_segments`` reads are
+    decoded, so the cost stays in proportion to the frame's bytes."""
     try:
-        return msgpack.unpackb(frame, raw=False, strict_map_key=False, unicode_errors="replace")
+        header = {}
+        for key, value in _map_entries(frame, trailing_ok=True):
+            if _key(key, "replace") == "mm_items":
+                header["mm_items"] = _lenient_items(value)
+        return header
     except Exception:  # msgpack raises several unrelated types
         return None
+
+
+_KEPT = ("transport", "pooled", "shm_name")  # what owned_segments reads of an item
+
+
+def _lenient_items(buf: memoryview) -> list | None:
+    if buf[0] not in (0xdc, 0xdd) and buf[0] & 0xf0 != 0x90:
+        return None  # not an array
+    up, items = _unpacker(buf), []
+    for _ in range(up.read_array_header()):
+        start = up.tell()
+        up.skip()
+        item = buf[start:up.tell()]
+        if _is_map(item[0]):
+            kept = {}
+            for key, value in _map_entries(item):
+                key = _key(key, "replace")
+                if key in _KEPT:
+                    try:
+                        kept[key] = msgpack.unpackb(value, raw=False, unicode_errors="replace", **_Budget(0).hooks)
+                    except Exception:  # an unreadable value names no segment
+                        pass
+            items.append(kept)
+    return items
+
+
+def _unpacker(buf: memoryview) -> msgpack.Unpacker:
+    up = msgpack.Unpacker(raw=False, max_buffer_size=max(1, buf.nbytes))
+    up.feed(buf)
+    return up
+
+
+def _map_entries(frame: Any, trailing_ok: bool = False) -> list[tuple[memoryview, memoryview]]:
+    """A MessagePack map's entries as (encoded key, encoded value), without building any
+    of them: ``skip`` walks MessagePack without allocating."""
+    view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
+    if view.nbytes == 0 or not _is_map(view[0]):
+        raise ValueError("not a map")
+    up, entries = _unpacker(view), []
+    for _ in range(up.read_map_header()):
+        k0 = up.tell()
+        up.skip()
+        k1 = up.tell()
+        up.skip()
+        entries.append((view[k0:k1], view[k1:up.tell()]))
+    if not trailing_ok and up.tell() != view.nbytes:
+        raise msgpack.ExtraData(None, None)
+    return entries
+
+
+def _is_map(first: int) -> bool:
+    return first in (0xde, 0xdf) or first & 0xf0 == 0x80
+
+
+def _key(buf: memoryview, unicode_errors: str = "strict") -> str | bytes | None:
+    """An encoded map key, if it is a str or a bin (checked before anything is built)."""
+    first = buf[0]
+    if 0xa0 <= first <= 0xbf or 0xd9 <= first <= 0xdb or 0xc4 <= first <= 0xc6:
+        return msgpack.unpackb(buf, raw=False, unicode_errors=unicode_errors)
+    return None
+
+
+class _Budget:
+    """Counts the maps and arrays MessagePack builds; past ``limit`` it stops the decoding."""
+
+    class Spent(Exception):
+        pass
+
+    def __init__(self, limit: int):
+        self.left = limit
+        self.hooks = {"object_hook": self._count, "list_hook": self._count}
+
+    def _count(self, x: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise self.Spent
+        return x
+
+
+@dataclass(frozen=True)
+class Unread:
+    """A header value left undecoded because it is too big; ``decode`` refuses it by name."""
+
+    problem: str
 
 
 def readable_rid(header: Any) -> str | None:
@@ -215,8 +336,11 @@ def readable_rid(header: Any) -> str | None:
 
 def decode(frames: Sequence[Any], limits: Limits) -> Message:
     """Frames (header first, then payloads as buffers) → a typed message, or BadRequest."""
-    header = unpack_header(frames[0])
+    header = unpack_header(frames[0], limits)
     rid = readable_rid(header)
+    for key, v in header.items():
+        if isinstance(v, Unread):
+            raise BadRequest(key, v.problem, rid)
     size = sum(_frame_len(f) for f in frames)
     if size > limits.max_message_bytes:
         raise BadRequest("message", f"{size} bytes exceed max_message_bytes={limits.max_message_bytes}", rid)
@@ -278,8 +402,12 @@ def _request(h: dict, typ: str, frames: Sequence[Any], limits: Limits) -> Reques
         params = {}
     if not isinstance(params, dict):
         raise BadRequest("params", "must be a map")
-    if _too_deep(params, MAX_PARAMS_DEPTH):  # params are re-packed into the batch every rank receives
+    # params are re-packed into the batch every rank receives: bounded in depth and elements
+    depth, count = _shape_of(params, MAX_PARAMS_DEPTH, limits.max_params_items)
+    if depth > MAX_PARAMS_DEPTH:
         raise BadRequest("params", f"nested deeper than {MAX_PARAMS_DEPTH} levels")
+    if count > limits.max_params_items:
+        raise BadRequest("params", f"more than {limits.max_params_items} elements (max_params_items)")
     mnt = params.get("max_new_tokens", limits.default_max_new_tokens)
     if not _is_int(mnt) or not 1 <= mnt <= limits.max_new_tokens:
         raise BadRequest("params.max_new_tokens", f"must be an int in 1..{limits.max_new_tokens} (max_new_tokens)")
@@ -400,6 +528,8 @@ def _input_ids(v: Any, limits: Limits) -> np.ndarray:
             raise BadRequest(f, "bin length must be a multiple of 4 (little-endian int32)")
         arr = np.frombuffer(v, dtype="<i4")
     elif isinstance(v, list):
+        if len(v) > limits.max_input_len:  # before numpy copies it
+            raise BadRequest(f, f"length {len(v)} outside 1..{limits.max_input_len} (max_input_len)")
         try:
             arr = np.array(v) if v else np.zeros(0, dtype=np.int64)
         except (ValueError, TypeError, OverflowError):  # ragged or otherwise not an int array
@@ -415,18 +545,19 @@ def _input_ids(v: Any, limits: Limits) -> np.ndarray:
     return arr.astype("<i4", copy=False)
 
 
-def _too_deep(v: Any, limit: int) -> bool:
-    """Do arrays and maps nest deeper than ``limit`` in ``v``? (Iterative: no recursion limit.)"""
-    stack = [(v, 1)]
-    while stack:
+def _shape_of(v: Any, max_depth: int, max_count: int) -> tuple[int, int]:
+    """(depth, elements) of ``v``, counting every map key, value and array entry; stops
+    early once either passes its bound. (Iterative: no recursion limit.)"""
+    stack, depth, count = [(v, 1)], 0, 0
+    while stack and depth <= max_depth and count <= max_count:
         x, d = stack.pop()
-        children = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else None
-        if children is None:
+        if not isinstance(x, (dict, list, tuple)):
             continue
-        if d > limit:
-            return True
+        children = (*x.keys(), *x.values()) if isinstance(x, dict) else x
+        depth = max(depth, d)
+        count += len(children)
         stack.extend((c, d + 1) for c in children)
-    return False
+    return depth, count
 
 
 def _one_of(v: Any, choices) -> bool:

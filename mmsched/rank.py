@@ -194,10 +194,7 @@ class Leader:
             self.feature_bytes_held -= req.feature_bytes
 
     def _reject(self, client: bytes, header_frame, exc: BadRequest) -> None:
-        try:
-            header = protocol.unpack_header(header_frame)
-        except BadRequest:
-            header = protocol.unpack_lenient(header_frame)
+        header = protocol.unpack_lenient(header_frame)  # reads past what made it a 400
         for name in protocol.owned_segments(header, self.limits.shm_prefix):
             self.unlinked_at_leader += unlink_segment(name, exc.rid, quiet_if_missing=True)
         event("bad_request", rid=exc.rid, field=exc.field, error=str(exc))

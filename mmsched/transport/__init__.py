@@ -53,7 +53,15 @@ class OpenedFeature:
         if self.error is not None:
             raise self.error
         self._faults.check("materialize", self.rid)
-        return self._read()
+        t = self._read()
+        return self._corrupted(t) if self._faults.hit("corrupt", self.rid) else t
+
+    def _corrupted(self, t: torch.Tensor) -> torch.Tensor:
+        """The ``corrupt`` drill: a copy with its first byte flipped (``t`` may share a buffer)."""
+        raw = t.reshape(-1).view(torch.uint8).clone()
+        if raw.numel():
+            raw[0] ^= 0xFF
+        return typed(raw, self.item)
 
     def release(self, unlink: bool) -> bool:
         """Close what this rank holds; ``unlink`` (the leader) also removes an owned segment.

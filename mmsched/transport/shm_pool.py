@@ -40,9 +40,7 @@ class _OpenPool:
             st = os.fstat(self.fd)
             if not stat.S_ISREG(st.st_mode):
                 raise FeatureError(f"pool {name} is not a regular shared-memory segment")
-            self.inode, self.size = st.st_ino, st.st_size
-            if self.size == 0:
-                raise SegmentTooSmall(f"pool {name} is empty")
+            self.inode, self.size = st.st_ino, st.st_size  # 0 is fine: it holds zero-size slices
         except BaseException:
             os.close(self.fd)
             raise

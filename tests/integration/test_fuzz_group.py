@@ -1,19 +1,23 @@
 """Structure-aware fuzzing of a tp = 2 group: whatever arrives, no rank dies, nothing leaks.
 
 A seeded generator builds valid requests (every transport: real shm segments, pooled slices,
-inline frames, session refs, cuda_ipc slots of a real shm-backed pool, bogus cuda_ipc maps;
-64 zero-size features with ids in a new session), then mutates them field by field: random
-types, out-of-range and huge values, unicode, extra keys, missing or extra or truncated
-frames, truncated MessagePack, random bytes; aborts, close_session and pings are
-interleaved. Messages go out over two DEALER sockets in bounded windows (at most WINDOW
-awaiting a reply), so max_queue is never what answers.
+inline frames, session refs, cuda_ipc slots of a real shm-backed pool, bogus cuda_ipc maps),
+then mutates them field by field: random types, out-of-range and huge values, unicode, extra
+keys, missing or extra or truncated frames, truncated MessagePack, random bytes; aborts,
+close_session and pings are interleaved. Shapes hostile clients used (issue 16): params far
+over max_params_bytes / max_params_items (millions of empty maps), turns of up to 64
+zero-size features with ids in fresh sessions, up to 64 items naming one segment, and rids
+reused (one answered on the same socket, one in flight on the other). Messages go out over two DEALER sockets in bounded
+windows (at most WINDOW awaiting a reply), so max_queue is never what answers.
 
 The oracle, from the contract alone:
 - every message gets exactly the replies the contract promises: one result for each message
   whose rid is readable and whose kind has a result (requests, malformed anything), a pong per
   ping, an ack per close_session, nothing for a well-formed abort; nothing more, ever;
 - each result is well-formed, comes back on the socket that sent the message, and its status is
-  one the contract allows for that message;
+  one the contract allows for that message (a request whose params are over a bound: 400 only; a
+  header over 16 KiB is read field by field as the leader does, and a field over its bound is
+  refused unread, with the rid, whatever it holds);
 - a non-pooled, prefixed shm segment named by a generate/embed message is unlinked by the time
   its result arrives; the fuzzer removes the segments it created for anything else itself;
 - both rank processes are alive at the end, /dev/shm holds nothing new, and each rank's RSS grew
@@ -38,7 +42,8 @@ import pytest
 import torch
 import zmq
 
-from mmsched.protocol import ITEMSIZE
+from mmsched.errors import BadRequest
+from mmsched.protocol import ITEMSIZE, SMALL_HEADER, Limits, Unread, readable_rid, unpack_header
 from mmsched.transport.cuda_ipc import IpcPool, ShmDevice
 from mmsched.transport.shm import create_segment
 from mmsched.transport.shm_pool import ShmPool
@@ -52,12 +57,15 @@ WINDOW = 200
 REPLY_TIMEOUT = 30.0
 RSS_BUDGET_KIB = 64 * 1024
 SESSIONS = [f"fz-s{i}" for i in range(4)]
+MAX_PARAMS_BYTES, MAX_PARAMS_ITEMS = 65536, 4096
+FUZZ_LIMITS = Limits(max_params_bytes=MAX_PARAMS_BYTES, max_params_items=MAX_PARAMS_ITEMS)
 STATUSES = {200: None, 400: "BadRequestError", 499: "RequestAborted", 500: "InternalServerError",
             503: "ServiceUnavailable"}
 GROUP_ARGS = (
     "--tp", "2", "--max-batch", "64", "--collective-timeout", "30",
     "--session-max-bytes", str(64 * 1024), "--session-idle-timeout", "5",
     "--session-max-count", "64", "--session-max-features", "1024",
+    "--max-params-bytes", str(MAX_PARAMS_BYTES), "--max-params-items", str(MAX_PARAMS_ITEMS),
     # some rids fail on purpose, on either rank and at each stage, so the 500 paths are fuzzed too
     "--fault", "1:open:fzf1-*", "--fault", "0:materialize:fzf0-*", "--fault", "1:engine:fze1-*",
     "--fault", "1:release:fzr1-*", "--fault", "0:open:fzo0-*",
@@ -89,6 +97,13 @@ def rss_kib(pid: int) -> int:
 
 def expected(frame0: bytes) -> tuple[str, str | None, frozenset[int]]:
     """(kind of reply, rid it carries, statuses allowed) that the contract promises for a message."""
+    if len(frame0) > SMALL_HEADER:  # read field by field: a field over its bound is refused unread, rid kept
+        try:
+            h = unpack_header(frame0, FUZZ_LIMITS)
+        except BadRequest:
+            return "result", None, frozenset({400})
+        if any(isinstance(v, Unread) for v in h.values()):
+            return "result", readable_rid(h), frozenset({400})
     try:
         h = msgpack.unpackb(frame0, raw=False, strict_map_key=True)
     except Exception:
@@ -110,8 +125,22 @@ def expected(frame0: bytes) -> tuple[str, str | None, frozenset[int]]:
             return "ack", None, frozenset()
         return "result", rid, frozenset({400})
     if typ in ("generate", "embed"):
+        if params_over_bounds(h.get("params")):
+            return "result", rid, frozenset({400})
         return "result", rid, frozenset({200, 400, 499, 500, 503})
     return "result", rid, frozenset({400})
+
+
+def params_over_bounds(params) -> bool:
+    if not isinstance(params, dict):
+        return False
+    count, todo = 0, [params]
+    while todo:
+        x = todo.pop()
+        children = [*x.keys(), *x.values()] if isinstance(x, dict) else x if isinstance(x, list) else []
+        count += len(children)
+        todo.extend(children)
+    return count > MAX_PARAMS_ITEMS or len(msgpack.packb(params, use_bin_type=True)) > MAX_PARAMS_BYTES
 
 
 def must_unlink(frame0: bytes, created: set[str]) -> set[str]:
@@ -155,6 +184,7 @@ class Gen:
         self.tag, self.pool, self.ipc = tag, shm_pool, ipc_pool
         self.n = 0
         self.absent_n = 0
+        self.reusable: list[str] = []  # set by the driver before each message
 
     # ---- atoms
     def fresh_rid(self) -> str:
@@ -191,6 +221,12 @@ class Gen:
             msgpack.Timestamp(self.r.randint(0, 2**34 - 1), self.r.randint(0, 999999999)),
             [], {}, self.text(1, 20), self.r.randint(-5, 300), self.r.random() * 1e6,
         ])
+
+    def huge_params(self) -> dict:
+        """Over max_params_items or max_params_bytes, some of them by far (4 M empty maps in 4 MB)."""
+        n = self.r.choice([MAX_PARAMS_ITEMS, 20_000, 300_000, 4_000_000 if self.r.random() < 0.02 else 40_000])
+        return self.r.choice([{"x": [{}] * n}, {"x": [0] * n}, {"x": bytes(MAX_PARAMS_BYTES)},
+                              {"x": "é" * (MAX_PARAMS_BYTES // 2)}, {str(i): None for i in range(min(n, 40_000))}])
 
     def deep(self):
         v: object = 0
@@ -254,7 +290,8 @@ class Gen:
     def request(self, msg: Msg) -> tuple[dict, list]:
         frames: list = []
         ids = [self.r.randint(0, 2**31 - 1) for _ in range(self.r.randint(1, 16))]
-        h = {"v": 1, "type": self.r.choice(["embed", "generate"]), "rid": self.fresh_rid(),
+        rid = self.r.choice(self.reusable) if self.reusable and self.r.random() < 0.05 else self.fresh_rid()
+        h = {"v": 1, "type": self.r.choice(["embed", "generate"]), "rid": rid,
              "input_ids": ids if self.r.random() < 0.5 else b"".join(i.to_bytes(4, "little") for i in ids)}
         session = self.r.choice(SESSIONS) if self.r.random() < 0.25 else None
         if session is not None:
@@ -263,13 +300,44 @@ class Gen:
             h["params"] = {"max_new_tokens": self.r.randint(1, 8)}
         if self.r.random() < 0.2:
             h["want_digest"] = True
-        if self.r.random() < 0.03:  # 64 zero-size features with ids, in a new session: the count bounds
-            h["session_id"] = f"fz-z{self.r.getrandbits(32):08x}"
-            h["mm_items"] = [{"modality": "image", "dtype": "uint8", "shape": [0], "transport": "inline",
-                              "frame": i + 1, "id": f"z{i}"} for i in range(64)]
-            return h, [b""] * 64
-        h["mm_items"] = [self.item(msg, frames, session) for _ in range(self.r.choice([0, 1, 1, 2, 3]))]
+        r = self.r.random()
+        if r < 0.04:  # up to 64 zero-size features with ids, in a session of its own
+            h["session_id"] = f"fz-z{self.tag}-{self.n}"
+            h["mm_items"] = [self.zero_size(msg, frames, f"z{i}") for i in range(self.r.randint(1, 64))]
+        elif r < 0.08:  # up to 64 items naming one segment
+            h["mm_items"] = self.one_segment(msg, self.r.randint(2, 64))
+        else:
+            h["mm_items"] = [self.item(msg, frames, session) for _ in range(self.r.choice([0, 1, 1, 2, 3]))]
         return h, frames
+
+    def zero_size(self, msg: Msg, frames: list, item_id: str) -> dict:
+        it = {"modality": "image", "dtype": self.r.choice(sorted(ITEMSIZE)), "id": item_id,
+              "shape": self.r.choice([[0], [0, 5], [3, 0, 2]])}
+        t = self.r.random()
+        if t < 0.4:
+            frames.append(b"")
+            it.update(transport="inline", frame=len(frames))
+        elif t < 0.7:
+            seg = create_segment(b"")
+            seg.sent()
+            msg.created.add(seg.name)
+            it.update(transport="shm", shm_name=seg.name)
+        else:  # a zero-size slice of the fuzzer's pool, at any offset inside it
+            it.update(transport="shm", shm_name=self.pool.name, offset=self.r.randrange(self.pool.size),
+                      pooled=True)
+        return it
+
+    def one_segment(self, msg: Msg, n: int) -> list[dict]:
+        seg = create_segment(os.urandom(64))
+        seg.sent()
+        msg.created.add(seg.name)
+        items = []
+        for _ in range(n):
+            dtype = self.r.choice(["uint8", "float32", "int64"])
+            count = self.r.randint(0, 64 // ITEMSIZE[dtype])
+            items.append({"modality": "image", "transport": "shm", "shm_name": seg.name, "dtype": dtype,
+                          "shape": [count], "offset": self.r.randint(0, 64 - count * ITEMSIZE[dtype])})
+        return items
 
     # ---- mutations
     def mutate_item(self, it: dict) -> None:
@@ -317,7 +385,8 @@ class Gen:
             elif r < 0.72:
                 h["params"] = self.r.choice([{"max_new_tokens": self.r.choice([0, -1, 9, 2**64 - 1, "4", 4.0])},
                                              {"x": self.deep()}, {"x": self.deep()},
-                                             {"max_new_tokens": 2, "extra": self.junk()}, self.junk()])
+                                             {"max_new_tokens": 2, "extra": self.junk()}, self.junk(),
+                                             self.huge_params(), self.huge_params()])
             elif r < 0.74:  # too many items
                 h["mm_items"] = [{"transport": "session", "ref": "a"}] * self.r.choice([65, 1000])
             elif r < 0.82 and frames:
@@ -434,6 +503,7 @@ class Fuzz:
         self.statuses: Counter = Counter()
         self.problems: list[str] = []
         self.nil_msgs: list[Msg] = []  # messages whose result carries rid nil: cleaned at the end
+        self.answered: list[list[str]] = [[], []]  # rids whose every message is answered, per socket
         self.sent = 0
 
     # outstanding replies (results, pongs, acks) over both sockets
@@ -445,6 +515,8 @@ class Fuzz:
         k = self.gen.r.randrange(2)
         msg = Msg(frames=[], sock=k, kind="", rid=None, statuses=frozenset())
         in_flight = [rid for rid, ms in self.by_rid[k].items() if ms and self.due[k][rid] > self.got[k][rid]]
+        other = [rid for rid in list(self.by_rid[1 - k])[-20:] if rid is not None]
+        self.gen.reusable = other + self.answered[k][-20:]  # in flight on the other socket; answered here
         self.gen.message(msg, in_flight[-50:])
         msg.kind, msg.rid, msg.statuses = expected(msg.frames[0])
         msg.owned = must_unlink(msg.frames[0], msg.created)
@@ -535,6 +607,7 @@ class Fuzz:
             for m in msgs:
                 self.release(m, status)
             del self.by_rid[k][rid]
+            self.answered[k] = self.answered[k][-63:] + [rid]
 
     def check_alive(self) -> None:
         dead = [p for p in self.srv.pids if not alive(p)]

@@ -39,6 +39,8 @@ SHARED_ARGS = (
     "--fault", "1:engine:eng-*",       # engine failure on one rank
     "--fault", "1:release:rel-*",      # release failures (follower and leader)
     "--fault", "0:release:rel0-*",
+    "--fault", "1:corrupt:bad1-*",     # rank 1 holds other bytes than rank 0
+    "--fault", "0:corrupt:bad0-*",     # rank 0 holds other bytes than the followers
     "--stall-s", "3",
 )
 
@@ -101,6 +103,17 @@ async def hold_lane(c: Client, tag: str) -> asyncio.Future:
     fut = c.send_request("embed", [7], [], rid=f"slow-hold-{tag}")
     await asyncio.sleep(0.5)  # let the leader put it on the lane
     return fut
+
+
+async def one_batch(c: Client, tag: str, send) -> tuple[dict[str, Result], dict]:
+    """Behind a held lane, ``send()`` (rid -> future) forms one batch: its results, then a pong."""
+    hold = await hold_lane(c, tag)
+    futs = send()
+    assert not hold.done(), "the held batch finished before the next batch was queued"
+    got = await results(c, futs)
+    await c.wait(f"slow-hold-{tag}", hold)
+    await no_extra_results(c)
+    return got, await c.ping(timeout=10)
 
 
 # ---------------------------------------------------------------- shared groups
@@ -183,20 +196,39 @@ async def test_mixed_batch_failures_are_scoped_to_their_rank(group, tp):
     assert pong["healthy"] is True and pong["ranks"] == tp, pong
 
 
+async def test_ranks_holding_different_bytes_get_a_digest_mismatch_500(group):
+    """The consensus compares every rank's digests with rank 0's: a rank whose copy differs
+    fails its request (500 DigestMismatch naming the ranks that differ from rank 0), the
+    batch mates are served with the client's own bytes, and every segment is unlinked."""
+    srv = group(2)
+    tag = uuid.uuid4().hex[:6]
+    tensors = {f"bad1-{tag}": feature(30), f"bad0-{tag}": feature(31), f"ok-{tag}": feature(32)}
+    async with Client(srv.addr) as c:
+        got, pong = await one_batch(c, tag, lambda: {
+            rid: c.send_request("embed", [3], [shm(t), inline(t[:1])], rid=rid, want_digest=True)
+            for rid, t in tensors.items()})
+    for rid in (f"bad1-{tag}", f"bad0-{tag}"):  # with two ranks, rank 1 is the one that differs
+        r = got[rid]
+        assert (r.status, r.err_type) == (500, "InternalServerError"), (rid, r.status, r.message)
+        assert r.message == "Multimodal feature reconstruction failed (rank 1: DigestMismatch: bytes differ " \
+                            "from rank 0's)", r.message
+        assert r.meta == {"failed_ranks": [1], "stage": "materialize"}, r.meta
+    ok, t = got[f"ok-{tag}"], tensors[f"ok-{tag}"]
+    assert ok.status == 200, ok.message
+    assert ok.meta["digests"] == [sha256_of(t), sha256_of(t[:1])]
+    assert my_segments() == set()
+    assert pong["healthy"] is True
+
+
 async def test_engine_failure_on_one_rank_fails_only_that_request(group):
     srv = group(2)
     tag = uuid.uuid4().hex[:6]
     tensors = {f"eng-{tag}": feature(10), f"ok-{tag}-1": feature(11), f"ok-{tag}-2": feature(12)}
     async with Client(srv.addr) as c:
-        hold = await hold_lane(c, tag)
-        futs = {rid: c.send_request("generate", [5, 6, 7], [shm(t)], rid=rid, want_digest=True,
-                                    params={"max_new_tokens": 4})
-                for rid, t in tensors.items()}
-        assert not hold.done(), "the held batch finished before the next batch was queued"
-        got = await results(c, futs)
-        await c.wait(f"slow-hold-{tag}", hold)
-        await no_extra_results(c)
-        pong = await c.ping(timeout=10)
+        got, pong = await one_batch(c, tag, lambda: {
+            rid: c.send_request("generate", [5, 6, 7], [shm(t)], rid=rid, want_digest=True,
+                                params={"max_new_tokens": 4})
+            for rid, t in tensors.items()})
     bad = got[f"eng-{tag}"]
     assert bad.status == 500, bad
     assert bad.meta["stage"] == "engine"

@@ -279,3 +279,55 @@ def test_a_client_that_never_reads_cannot_make_the_server_buffer_its_replies(lim
     # (a few thousand small replies); without the mark it would be all n
     assert ZMQ_HWM <= got < n // 3, f"{got} of {n} replies were buffered for a client that did not read"
     assert limited.proc.poll() is None
+
+
+# ---------------------------------------------------------------- params
+
+def _vm_kib(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return int(next(line.split()[1] for line in fh if line.startswith(key + ":")))
+
+
+def _with_raw_params(header: dict, params: bytes) -> bytes:
+    """``header`` with a ``params`` entry whose value is these encoded bytes (no packing cost here)."""
+    packed = msgpack.packb(header)
+    assert 0x80 <= packed[0] < 0x8f, "a fixmap header"
+    return bytes([packed[0] + 1]) + packed[1:] + msgpack.packb("params") + params
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_huge_params_are_refused_unread_and_the_loop_keeps_answering(tp, tmp_path):
+    """4 MB of params holding 4 M empty maps: on main a 200 after the leader grew ~0.5 GiB and
+    another client's ping waited seconds (a tp=2 group with a 3 s collective deadline broke)."""
+    n = 4_000_000
+    params = b"\x81" + msgpack.packb("x") + b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n
+    frame = _with_raw_params({"v": 1, "type": "embed", "rid": "huge-params", "input_ids": [1]}, params)
+    with Server("--tp", str(tp), "--collective-timeout", "3", tmp_dir=str(tmp_path)) as srv:
+        pids = srv.rank_pids() if tp > 1 else [srv.proc.pid]
+        ctx = zmq.Context.instance()
+        big, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        try:
+            for s in (big, other):
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(srv.addr)
+            assert sync_ping(srv.addr, 10) is not None
+            hwm = [_vm_kib(p, "VmHWM") for p in pids]
+            big.send(frame)
+            time.sleep(0.05)  # the big message is at the leader first
+            t0 = time.monotonic()
+            other.send(msgpack.packb({"v": 1, "type": "ping"}))
+            assert other.poll(30_000), "no pong"
+            ping_wait = time.monotonic() - t0
+            assert msgpack.unpackb(other.recv())["type"] == "pong"
+            assert big.poll(30_000), "no reply to the big message"
+            r = msgpack.unpackb(big.recv(), raw=False)
+            grown = [(_vm_kib(p, "VmHWM") - h) >> 10 for p, h in zip(pids, hwm)]
+            figures = f"status={r['status']} ping_wait={ping_wait:.2f}s peak_rss_growth_mib={grown}"
+            assert (r["status"], r["rid"]) == (400, "huge-params"), figures
+            assert r["message"] == f"params: {len(params)} bytes exceed max_params_bytes=65536", figures
+            assert ping_wait < 1.0 and max(grown) < 64, figures
+            pong = sync_ping(srv.addr, 10)
+            assert pong is not None and pong["healthy"], pong
+        finally:
+            big.close(linger=0)
+            other.close(linger=0)

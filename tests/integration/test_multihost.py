@@ -50,6 +50,7 @@ TORCHRUN = os.path.join(VENV_BIN, "torchrun")
 FAULTS = (
     "--fault", "1:open:remote-open-*",        # the remote rank fails to open
     "--fault", "1:materialize:remote-mat-*",  # the remote rank fails to materialize
+    "--fault", "1:corrupt:remote-corrupt-*",  # the remote rank's copy differs by one byte
     "--fault", "1:stall:slow-*",              # holds the lane so the next requests batch together
     "--stall-s", "1",
 )
@@ -382,6 +383,34 @@ async def test_remote_faults_and_a_missing_segment_in_one_batch(two_hosts):
     for rid, t in good.items():
         assert got[rid].status == 200, (rid, got[rid].message)
         assert got[rid].meta["digests"] == [sha256_of(t)]
+
+
+async def test_a_remote_rank_holding_other_bytes_is_a_digest_mismatch(two_hosts):
+    """Bytes forwarded to the other host (shm, pooled) and broadcast (inline) are compared
+    through the digests: a remote copy that differs is a 500 DigestMismatch naming rank 1
+    alone; its batch mate is served with the client's bytes."""
+    tag = uuid.uuid4().hex[:6]
+    bad, good = feature(40, (16, 16)), feature(41, (16, 16))
+    pool = ShmPool(1 << 16)
+    try:
+        async with Client(two_hosts.addr, shm_pool=pool) as c:
+            hold = c.send_request("embed", [9], [], rid=f"slow-{tag}")
+            await asyncio.sleep(0.4)  # rank 1 sits in the engine: what follows forms one batch
+            futs = {rid: c.send_request("embed", [1], [shm(t), pooled(t[:2]), inline(t[2:4])], rid=rid,
+                                        want_digest=True)
+                    for rid, t in ((f"remote-corrupt-{tag}", bad), (f"ok-{tag}", good))}
+            got = {rid: await c.wait(rid, f, 30) for rid, f in futs.items()}
+            assert (await c.wait(f"slow-{tag}", hold, 30)).status == 200
+    finally:
+        pool.close()
+    r = got[f"remote-corrupt-{tag}"]
+    assert (r.status, r.err_type) == (500, "InternalServerError"), (r.status, r.message)
+    assert r.message == "Multimodal feature reconstruction failed (rank 1: DigestMismatch: bytes differ " \
+                        "from rank 0's)", r.message
+    assert r.meta == {"failed_ranks": [1], "stage": "materialize"}, r.meta
+    ok = got[f"ok-{tag}"]
+    assert ok.status == 200, ok.message
+    assert ok.meta["digests"] == [sha256_of(good), sha256_of(good[:2]), sha256_of(good[2:4])]
 
 
 def test_sigterm_to_node0_stops_both_hosts_leaving_nothing(two_hosts):

@@ -7,6 +7,7 @@ wait is bounded; nothing asserts on elapsed time.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -84,6 +85,41 @@ def launched_pids(srv: Server) -> list[int]:
 
 def gone(names) -> bool:
     return not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+
+
+# ---------------------------------------------------------------- unlinks, counted
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+async def test_a_segment_named_twice_in_a_batch_is_unlinked_once(start_server, tp):
+    """Two items of one request, and two requests of one batch, name one segment each: every
+    request is served with the segment's bytes, and the leader unlinks each segment exactly
+    once (a second unlink would fail with ENOENT, or remove a new segment of that name)."""
+    port = free_port()
+    srv = start_server("--tp", str(tp), "--admin", str(port), "--fault", f"{tp - 1}:stall:slow-*",
+                       "--stall-s", "1")
+    (item1, seg1), (item2, seg2) = shm_item(1.0), shm_item(2.0)
+    before = http_get(port, "/metrics")[1]
+    async with Client(srv.addr) as c:
+        hold = c.send_request("embed", [9], [], rid="slow-hold")
+        await asyncio.sleep(0.4)  # the lane is held: what follows forms one batch
+        futs = {rid: c.send_request("embed", [1], [raw(it) for it in items], rid=rid, want_digest=True)
+                for rid, items in (("twice", [item1, item1]), ("one-of-two", [item2]), ("two-of-two", [item2]))}
+        seg1.sent()
+        seg2.sent()
+        assert not hold.done(), "the held batch finished before the next one was queued"
+        got = {rid: await c.wait(rid, f, 30) for rid, f in futs.items()}
+        assert (await c.wait("slow-hold", hold, 30)).status == 200
+    want1 = hashlib.sha256(torch.full((16,), 1.0).numpy().tobytes()).hexdigest()
+    want2 = hashlib.sha256(torch.full((16,), 2.0).numpy().tobytes()).hexdigest()
+    assert [(r.status, r.meta.get("digests")) for r in got.values()] == \
+        [(200, [want1, want1]), (200, [want2]), (200, [want2])], [r.message for r in got.values()]
+    assert gone([seg1.name, seg2.name])
+    after = http_get(port, "/metrics")[1]
+    unlinked = metric(after, "mmsched_segments_unlinked_total") - metric(before, "mmsched_segments_unlinked_total")
+    failed = metric(after, "mmsched_release_failures_total", rank="0")
+    assert (unlinked, failed) == (2, 0), f"unlinks counted {unlinked}, leader release failures {failed}"
+    assert "unlink_missing" not in srv.logs(), srv.logs()
 
 
 # ---------------------------------------------------------------- /health and a dead rank

@@ -246,6 +246,30 @@ async def test_the_bound_is_shared_by_all_sessions_and_close_frees_it(group):
         await no_extra_results(c)
 
 
+async def test_the_bound_edges_exactly_full_and_replacing_near_it(tmp_path):
+    """A group of its own, so no other session holds bytes: a turn that fills
+    session_max_bytes exactly is kept, one byte more is refused; replacing a stored id
+    counts the bytes it frees, so a same-size replacement of a full store is kept and one
+    byte more is refused (the store then still holds the previous feature)."""
+    bound = 4096
+    a1, a2 = torch.arange(bound, dtype=torch.int32).to(torch.uint8), torch.full((bound,), 7, dtype=torch.uint8)
+    s = sid()
+    with Server("--tp", "2", "--session-max-bytes", str(bound), tmp_dir=str(tmp_path)) as srv:
+        async with Client(srv.addr) as c:
+            full = await turn(c, s, [shm(a1, id="a")])
+            assert full.status == 200, f"a turn of exactly session_max_bytes: {full.status} {full.message}"
+            r = expect(await turn(c, s, [inline(torch.ones(1, dtype=torch.uint8), id="b")]), 503)
+            assert "session_max_bytes" in r.message, r.message
+            same = await turn(c, s, [inline(a2, id="a")])
+            assert same.status == 200, f"replacing a full store's feature with as many bytes: {same.message}"
+            assert expect(await turn(c, s, [ref("a")]), 200).meta["digests"] == [sha256_of(a2)]
+            expect(await turn(c, s, [shm(torch.ones(bound + 1, dtype=torch.uint8), id="a")]), 503)
+            assert expect(await turn(c, s, [ref("a")]), 200).meta["digests"] == [sha256_of(a2)]
+            await c.close_session(s, timeout=30)
+            await no_extra_results(c)
+    assert my_segments() == set()
+
+
 # ---------------------------------------------------------------- the idle timeout
 
 async def test_idle_session_expires_and_a_busy_one_does_not(idle_group):

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -99,12 +100,7 @@ async def test_bad_names_are_refused_and_nothing_is_opened(server, tmp_path):
     outside = tmp_path / "victim"  # a file outside /dev/shm
     outside.write_bytes(b"precious" * 4)
     inner_dir = os.path.join(SHM, f"mmsched_{tag}.d")  # a real directory a traversal could enter
-    os.mkdir(inner_dir)
     inner = os.path.join(inner_dir, "x")
-    with open(foreign_path, "wb") as fh:
-        fh.write(b"foreign!" * 4)
-    with open(inner, "wb") as fh:
-        fh.write(b"inner..." * 4)
     rel = os.path.relpath(str(outside), SHM)
     names = [
         foreign,                                  # no prefix
@@ -116,8 +112,14 @@ async def test_bad_names_are_refused_and_nothing_is_opened(server, tmp_path):
         str(outside),                             # outside /dev/shm, absolute
         "mmsched_a b", "mmsched_é", "mmsched_\x00x", "mmsched_" + "x" * 193, "", "mmsched",
     ]
-    watch = Watch(foreign_path, str(outside), inner)
-    try:
+    os.mkdir(inner_dir)
+    watch = None
+    try:  # one cleanup for every exit: a failed assert must not leave these behind
+        with open(foreign_path, "wb") as fh:
+            fh.write(b"foreign!" * 4)
+        with open(inner, "wb") as fh:
+            fh.write(b"inner..." * 4)
+        watch = Watch(foreign_path, str(outside), inner)
         async with Client(server.addr) as c:
             for i, name in enumerate(names):
                 for extra in ({}, {"pooled": True}):
@@ -137,9 +139,6 @@ async def test_bad_names_are_refused_and_nothing_is_opened(server, tmp_path):
                 assert r.status == 400 and "ipc.handle" in r.message, (name, r)
             await c.ping(timeout=10)
         events = watch.events()
-    finally:
-        watch.close()
-    try:
         assert events == [], f"a refused name was opened or touched: {events}"
         with open(foreign_path, "rb") as fh:
             assert fh.read() == b"foreign!" * 4
@@ -147,8 +146,11 @@ async def test_bad_names_are_refused_and_nothing_is_opened(server, tmp_path):
         with open(inner, "rb") as fh:
             assert fh.read() == b"inner..." * 4
     finally:
-        os.unlink(foreign_path)
-        os.unlink(inner)
+        if watch is not None:
+            watch.close()
+        for path in (foreign_path, inner):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         os.rmdir(inner_dir)
 
 
@@ -217,8 +219,9 @@ async def test_a_prefixed_directory_is_not_read_nor_removed(server):
         os.rmdir(path)
 
 
-@pytest.mark.parametrize("oddity", [b"\xa6params\x81\x01\x02", b"\xa5extra\xa2\xc3\x28", b"\xa3\xff\xfe\xfd\xc0"],
-                         ids=["int-key-in-a-nested-map", "invalid-utf8-value", "invalid-utf8-key"])
+@pytest.mark.parametrize("oddity", [b"\xa6params\x81\x01\x02", b"\xa5extra\xa2\xc3\x28", b"\xa3\xff\xfe\xfd\xc0",
+                                    b"\xa1x\xc0\x00"],
+                         ids=["int-key-in-a-nested-map", "invalid-utf8-value", "invalid-utf8-key", "one-trailing-byte"])
 def test_a_header_that_breaks_strict_reading_still_releases_its_segments(server, oddity):
     """Ownership passes when a request is sent, even when its header is not valid for the
     contract as a whole: the 400 (rid nil) still unlinks the owned segment, never the pooled one."""
@@ -316,6 +319,26 @@ async def test_offset_plus_nbytes_is_checked_against_the_real_segment_size(serve
 
 def pooled_item(pool: ShmPool, offset: int, nbytes: int) -> dict:
     return shm_item(pool.name, nbytes, offset=offset, pooled=True)
+
+
+async def test_a_zero_size_item_in_an_empty_segment_is_served_pooled_or_not(server):
+    """On main the pooled case was a 500 (``pool … is empty``) where the non-pooled one was a 200."""
+    owned, pool = create_segment(b""), create_segment(b"")
+    try:
+        async with Client(server.addr) as c:
+            r = await c.request("embed", [1], [raw(shm_item(owned.name, 0)), raw(shm_item(pool.name, 0, pooled=True))],
+                                rid="empty-zero", want_digest=True, timeout=10)
+            owned.sent()
+            pooled = await c.request("embed", [1], [raw(shm_item(pool.name, 0, pooled=True))],
+                                     rid="empty-pooled", want_digest=True, timeout=10)
+        assert (r.status, pooled.status) == (200, 200), (r.message, pooled.message)
+        assert r.meta["digests"] == [sha(b"")] * 2 and pooled.meta["digests"] == [sha(b"")]
+        assert not os.path.exists(os.path.join(SHM, owned.name)), "the owned empty segment outlived its 200"
+        assert os.path.exists(os.path.join(SHM, pool.name)), "a pool was unlinked"
+    finally:
+        pool.discard()
+        if os.path.exists(os.path.join(SHM, owned.name)):
+            owned.discard()
 
 
 async def test_pooled_segment_shrunk_or_removed_between_requests(server):

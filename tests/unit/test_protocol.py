@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from mmsched.errors import BadRequest
-from mmsched.protocol import Abort, CloseSession, Limits, Ping, Request, decode, owned_segments, valid_shm_name
+from mmsched.protocol import (SMALL_HEADER, Abort, CloseSession, Limits, Ping, Request, decode, owned_segments,
+                              unpack_header, unpack_lenient, valid_shm_name)
 
 LIMITS = Limits()
 PREFIX = LIMITS.shm_prefix
@@ -269,6 +270,64 @@ def test_trailing_bytes_after_header_are_unreadable():
     assert ei.value.field == "header" and ei.value.rid is None
 
 
+PAD = bytes(SMALL_HEADER + 1)  # a field that makes a header too big for the one-call decode
+
+
+@pytest.mark.parametrize("pad", [{}, {"pad": PAD}], ids=["small", "big"])
+@pytest.mark.parametrize("frame_of", [
+    lambda h: pack(h) + b"\x00",  # one trailing byte
+    lambda h: pack({**h, 1: 2}),  # a top-level int key
+    lambda h: pack({**h, "x": {1: 2}}),  # a nested int key
+    lambda h: pack(h)[:-1],  # truncated
+], ids=["trailing-byte", "int-key", "nested-int-key", "truncated"])
+def test_unreadable_header_whatever_its_size(frame_of, pad):
+    with pytest.raises(BadRequest) as ei:
+        decode([frame_of(base(**pad))], LIMITS)
+    assert ei.value.field == "header" and ei.value.rid is None, ei.value
+
+
+def test_params_bounded_by_encoded_bytes_before_decoding():
+    at = Limits(max_params_bytes=SMALL_HEADER * 2)
+    fill = {"x": bytes(SMALL_HEADER * 2 - 8)}
+    assert len(pack(fill)) <= at.max_params_bytes
+    decode(frames_of(base(params=fill)), at)  # at the bound: accepted
+    exc = bad(base(params={"x": bytes(SMALL_HEADER * 2)}), limits=at)
+    assert exc.field == "params" and exc.rid == "r-1"
+    big = len(pack({"x": bytes(SMALL_HEADER * 2)}))
+    assert str(exc) == f"params: {big} bytes exceed max_params_bytes={SMALL_HEADER * 2}"
+
+
+def test_params_bounded_by_element_count():
+    limits = Limits(max_params_items=10)
+    decode(frames_of(base(params={"a": [1, 2], "b": {"c": 4}, "d": 5})), limits)  # 6 + 2 + 2 elements
+    exc = bad(base(params={"a": [1, 2, 3], "b": {"c": 4}, "d": 5}), limits=limits)
+    assert (exc.field, exc.rid, str(exc)) == ("params", "r-1", "params: more than 10 elements (max_params_items)")
+    exc = bad(base(params={"x": [{}] * 5000, "pad": PAD}))  # the big-header path too
+    assert exc.field == "params" and "max_params_items" in str(exc)
+
+
+def test_a_big_header_builds_a_bounded_number_of_maps_and_arrays():
+    n = LIMITS.max_containers + 1
+    exc = bad(base(mm_items=[{}] * n, pad=PAD))
+    assert (exc.field, exc.rid, str(exc)) == \
+        ("mm_items", "r-1", f"mm_items: more than {LIMITS.max_containers} maps and arrays in the header (max_items)")
+    h = base(pad=PAD)
+    assert isinstance(unpack_header(pack(h)), dict) and decode(frames_of(h), LIMITS).rid == "r-1"
+
+
+@pytest.mark.parametrize("junk", [b"\x00", b""], ids=["trailing-byte", "none"])
+def test_lenient_reading_finds_names_past_what_strict_reading_refuses(junk):
+    h = base(pad=PAD, x={1: 2})
+    h["mm_items"] = [{}] * LIMITS.max_containers + h["mm_items"]  # too many maps for the strict read
+    frame = pack(h) + junk
+    with pytest.raises(BadRequest):
+        decode([frame], LIMITS)
+    assert owned_segments(unpack_lenient(frame), PREFIX) == [PREFIX + "abc"]
+    assert owned_segments(unpack_lenient(pack(base()) + junk), PREFIX) == [PREFIX + "abc"]
+    str8 = b"\x81\xd9\x08mm_items" + pack([{"transport": "shm", "shm_name": PREFIX + "s8"}])  # a longer str form
+    assert owned_segments(unpack_lenient(str8 + junk), PREFIX) == [PREFIX + "s8"]
+
+
 def test_decode_does_not_mutate_header_copy():
     h = base()
     snapshot = copy.deepcopy(h)
@@ -301,6 +360,9 @@ def test_owned_segments_from_a_malformed_header():
         ],
     }
     assert owned_segments(header, PREFIX) == [good, PREFIX + "owned_2"]
+    assert owned_segments(unpack_lenient(pack(header)), PREFIX) == [good, PREFIX + "owned_2"]
+    header["mm_items"].insert(0, {"transport": "shm", "junk": [[]] * 5000, "shm_name": PREFIX + "big_item"})
+    assert owned_segments(unpack_lenient(pack(header)), PREFIX) == [PREFIX + "big_item", good, PREFIX + "owned_2"]
     with pytest.raises(BadRequest):
         decode([pack(header)], LIMITS)
 
