@@ -28,7 +28,7 @@ from .protocol import (BAD_REQUEST, INTERNAL, UNAVAILABLE, Abort, CloseSession, 
                        pack, result)
 from .sweep import sweep
 from .transport.cuda_ipc import acknowledge
-from .transport.shm import drop, hold, unlink_segment
+from .transport.shm import Holds, unlink_segment
 
 
 class State(enum.Enum):
@@ -84,6 +84,8 @@ class Leader:
         self.orphans_reclaimed = 0
         self.unlinked_at_leader = 0  # segments of requests answered before reaching the ranks
         self.feature_bytes_held = 0  # of queued and running requests (max_inflight_bytes)
+        self.items_held = 0  # of queued and running requests (max_queued_items)
+        self.holds = Holds()  # the admission locks: one descriptor per segment named
         self._follower_counters: dict[int, dict] = {}
         self._stats_at = time.monotonic()
         self.metrics = Metrics(self)
@@ -181,9 +183,10 @@ class Leader:
     def _forget(self, req: Request) -> None:
         """The request is answered: drop its admission locks and its share of the in-flight bytes."""
         if req.holds is not None:
-            drop(req.holds)
+            self.holds.drop(req.holds)
             req.holds = None
             self.feature_bytes_held -= req.feature_bytes
+            self.items_held -= len(req.items)
 
     def _reject(self, client: bytes, header_frame, exc: BadRequest) -> None:
         try:
@@ -220,10 +223,14 @@ class Leader:
         elif self.feature_bytes_held + req.feature_bytes > self.cfg.max_inflight_bytes:
             self._answer(req, UNAVAILABLE, f"overloaded: {self.feature_bytes_held} feature bytes in flight, "
                          f"this request brings {req.feature_bytes} (max_inflight_bytes)")
+        elif self.items_held + len(req.items) > self.cfg.max_queued_items:
+            self._answer(req, UNAVAILABLE, f"overloaded: {self.items_held} feature items queued and running, "
+                         f"this request brings {len(req.items)} (max_queued_items)")
         else:
-            req.holds = hold(req.owned_segments)
+            req.holds = self.holds.hold(req.owned_segments)
             self.queue[req.key] = req
             self.feature_bytes_held += req.feature_bytes
+            self.items_held += len(req.items)
 
     def _abort(self, key: tuple) -> None:
         req = self.queue.pop(key, None)

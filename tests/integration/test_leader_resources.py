@@ -70,6 +70,17 @@ def replies(s: zmq.Socket, n: int, timeout: float) -> list[dict]:
     return got
 
 
+def until_pong(s: zmq.Socket, timeout: float) -> list[dict]:
+    """The replies before the next pong (which, one pipe in order, answers a ping sent last)."""
+    got, deadline = [], time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0 and s.poll(int(left * 1000)):
+        h = msgpack.unpackb(s.recv(), raw=False)
+        if h["type"] == "pong":
+            return got
+        got.append(h)
+    raise AssertionError(f"no pong within {timeout}s")
+
+
 def gone(name: str) -> bool:
     return not os.path.exists(os.path.join("/dev/shm", name))
 
@@ -108,3 +119,78 @@ def test_a_new_connection_with_a_routing_id_in_use_takes_it_over(solo):
         if new is not None:
             new.close(linger=0)
     assert sync_ping(solo.addr, 5)["healthy"] is True
+
+
+# ---------------------------------------------------------------- 1. descriptors and items per queue
+
+STALL_S = 4
+
+
+@pytest.fixture(scope="module")
+def stalling(tmp_path_factory):
+    """tp=1; a ``hold-*`` request keeps the lane busy STALL_S seconds, so what follows queues."""
+    with Server("--fault", "0:stall:hold-*", "--stall-s", str(STALL_S),
+                tmp_dir=str(tmp_path_factory.mktemp("stalling"))) as srv:
+        yield srv
+
+
+async def test_one_client_cannot_exhaust_the_leaders_descriptors(stalling):
+    """While the lane is busy, one client queues 200 requests of 64 items, all naming one
+    64-byte segment. The leader holds one descriptor for that segment (not one per item),
+    admits max_queued_items (8192) items and answers the rest 503 naming the setting; every
+    request gets one result, another client is served, nothing stays linked or open."""
+    pid = stalling.proc.pid
+    base = fds(pid)
+    data = bytes(range(64))
+    seg = create_segment(data)
+    seg.sent()
+    flood = dealer(stalling.addr)
+    try:
+        async with Client(stalling.addr) as c:
+            hold = c.send_request("embed", [7], [], rid="hold-1")
+            await asyncio.sleep(0.5)
+            for i in range(200):
+                flood.send(request(f"f{i}", [shm_item(seg, len(data))] * 64))
+            flood.send(msgpack.packb({"v": 1, "type": "ping"}))
+            early = until_pong(flood, 10)  # the leader has read the whole flood
+            held = fds(pid) - base
+            assert not hold.done(), "hold-1 ended before the flood was queued"
+            assert held < 16, f"the leader holds {held} more descriptors for one client's queued requests"
+            got = {r["rid"]: r for r in early + replies(flood, 200 - len(early), 60)}
+            expect(await c.wait("hold-1", hold, 30), 200)
+            mine = create_segment(data)
+            r = expect(await c.embed([1, 2, 3], [raw(shm_item(mine, len(data)))], want_digest=True), 200)
+            mine.sent()
+            assert r.meta["digests"] == [hashlib.sha256(data).hexdigest()]
+    finally:
+        flood.close(linger=0)
+    assert len(got) == 200, f"{200 - len(got)} flood requests got no result"
+    statuses = [r["status"] for r in got.values()]
+    over = [r for r in got.values() if r["status"] == 503]
+    assert len(over) == 200 - 8192 // 64, statuses
+    assert all("max_queued_items" in r["message"] for r in over), over[0]["message"]
+    for r in got.values():
+        assert r["status"] in (200, 500, 503), r
+        if r["status"] == 200:
+            assert r["meta"]["digests"] == [hashlib.sha256(data).hexdigest()] * 64
+    assert gone(seg.name)
+    assert fds(pid) - base < 16
+    assert stalling.proc.poll() is None
+
+
+def test_a_config_the_descriptor_limit_cannot_hold_is_refused_at_start(tmp_path):
+    """Rather than run out of descriptors mid-batch (which breaks the group), a rank whose
+    hard RLIMIT_NOFILE cannot hold max_batch x max_items (+ max_queued_items at the leader)
+    refuses to start, naming the setting."""
+    import resource
+    import subprocess
+    import sys
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, 2048))
+
+    proc = subprocess.run([sys.executable, "-m", "mmsched", "serve", "--frontend", f"ipc://{tmp_path}/x.sock"],
+                          preexec_fn=low_limit, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("MMSCHED_")})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "max_queued_items" in proc.stdout + proc.stderr and "2048" in proc.stdout + proc.stderr
