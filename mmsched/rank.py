@@ -378,11 +378,27 @@ class Leader:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self._answer_unread()
             self.sock.close(linger=1000)
             remove_ipc(self.cfg.frontend)
             if self._auth is not None:
                 self._auth.stop()
             self.ctx.term()
+
+    UNREAD_QUIET_S, UNREAD_MAX_S = 0.05, 2.0
+
+    def _answer_unread(self) -> None:
+        """The loop is over (stopped or broken): answer what clients sent that is still
+        queued at the socket (503, unlinking its segments) instead of closing on it. Reads
+        until the socket stays quiet for UNREAD_QUIET_S, for at most UNREAD_MAX_S."""
+        deadline = time.monotonic() + self.UNREAD_MAX_S
+        while time.monotonic() < deadline and self._raw.poll(int(self.UNREAD_QUIET_S * 1000), zmq.POLLIN):
+            for _ in range(1024):
+                try:
+                    frames = self._raw.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._on_message(frames)
 
     async def _sweep_orphans(self) -> None:
         """At start-up, then every sweep_interval: reclaim what crashed clients or ranks left behind."""

@@ -194,3 +194,41 @@ def test_a_config_the_descriptor_limit_cannot_hold_is_refused_at_start(tmp_path)
                           env={k: v for k, v in os.environ.items() if not k.startswith("MMSCHED_")})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "max_queued_items" in proc.stdout + proc.stderr and "2048" in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- 8. a stop with messages unread
+
+def test_a_stop_answers_what_is_still_unread_at_the_socket(start_server):
+    """500 requests sit unread at the frontend (the leader is paused while they are sent)
+    when SIGTERM arrives: each still gets one result (200 if it ran, 503 otherwise) and its
+    segment is unlinked; the leader exits 0. On main the leader closed the socket on the
+    ones it had not read yet: no result, segments left."""
+    srv = start_server()
+    n, data = 500, bytes(range(256)) * 16
+    segs = [create_segment(data) for _ in range(n)]
+    s = dealer(srv.addr)
+    try:
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            for i, seg in enumerate(segs):
+                s.send(request(f"u{i}", [shm_item(seg, len(data))]))
+                seg.sent()
+            time.sleep(0.5)  # the client's I/O thread hands everything to the kernel
+            os.kill(srv.proc.pid, signal.SIGTERM)
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        got = replies(s, n, 30)
+    finally:
+        s.close(linger=0)
+    assert srv.proc.wait(30) == 0, srv.logs()[-2000:]
+    by_rid = {r["rid"]: r for r in got}
+    assert len(got) == len(by_rid) == n, f"{n - len(by_rid)} of {n} requests got no result"
+    digest = hashlib.sha256(data).hexdigest()
+    for r in got:
+        assert r["status"] in (200, 503), r
+        if r["status"] == 200:
+            assert r["meta"]["digests"] == [digest]
+        else:
+            assert r["message"].startswith("service unavailable"), r["message"]
+    left = [seg.name for seg in segs if not gone(seg.name)]
+    assert not left, f"{len(left)} segments left in /dev/shm"
