@@ -208,7 +208,19 @@ class Leader:
                 return f"mm_items[{it.index}].ref: session {req.session_id!r} holds no feature {it.ref!r}"
         return None
 
+    def _count_refs(self, req: Request) -> None:
+        """A session item costs its batch the whole feature it names (the engine reads every
+        byte): count it at that size, for max_inflight_bytes and for the loop-or-lane choice."""
+        for it in req.items:
+            if it.transport == "session":
+                try:
+                    t = self.runner.sessions.lookup(req.session_id, it.ref)
+                except KeyError:
+                    continue  # an unknown ref: a 400 (or, if closed meanwhile, a 500 in its batch)
+                it.nbytes = t.numel() * t.element_size()
+
     def _admit(self, req: Request) -> None:
+        self._count_refs(req)
         bad_ref = self._unknown_ref(req)
         if bad_ref:
             event("bad_request", rid=req.rid, field=bad_ref.split(":", 1)[0], error=bad_ref)

@@ -21,7 +21,7 @@ import pytest
 import torch
 import zmq
 
-from mmsched.client import Client, raw, shm
+from mmsched.client import Client, raw, ref, shm
 from mmsched.transport.shm import create_segment
 
 from ..conftest import Server, shm_segments, sync_ping
@@ -154,6 +154,7 @@ async def test_one_client_cannot_exhaust_the_leaders_descriptors(stalling):
             flood.send(msgpack.packb({"v": 1, "type": "ping"}))
             early = until_pong(flood, 10)  # the leader has read the whole flood
             held = fds(pid) - base
+            print(f"descriptors held for 200 x 64 items naming one segment: +{held}")
             assert not hold.done(), "hold-1 ended before the flood was queued"
             assert held < 16, f"the leader holds {held} more descriptors for one client's queued requests"
             got = {r["rid"]: r for r in early + replies(flood, 200 - len(early), 60)}
@@ -232,3 +233,44 @@ def test_a_stop_answers_what_is_still_unread_at_the_socket(start_server):
             assert r["message"].startswith("service unavailable"), r["message"]
     left = [seg.name for seg in segs if not gone(seg.name)]
     assert not left, f"{len(left)} segments left in /dev/shm"
+
+
+# ---------------------------------------------------------------- 10. what a batch really costs
+
+async def test_a_feature_costs_a_rank_about_its_own_size(start_server):
+    """One 64 MiB feature: the rank's peak memory grows by about the feature (its owned
+    copy), not ~9x (the reference engine widened every byte to int64 first: +576 MiB)."""
+    srv = start_server()
+    x = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(10))
+    before = vm_hwm(srv.proc.pid)
+    async with Client(srv.addr) as c:
+        r = expect(await c.embed([1, 2, 3], [shm(x)], want_digest=True, timeout=60), 200)
+    grown = vm_hwm(srv.proc.pid) - before
+    print(f"peak RSS for one {x.numel() >> 20} MiB feature: +{grown >> 20} MiB")
+    assert r.meta["digests"] == [sha256_of(x)]
+    assert grown < 2.5 * x.numel(), f"peak RSS grew {grown >> 20} MiB for a {x.numel() >> 20} MiB feature"
+
+
+async def test_session_refs_count_their_bytes_and_leave_the_loop_free(solo):
+    """64 refs to a stored 32 MiB feature are a 2 GiB batch, not a 0-byte one: at tp=1 it
+    runs on the lane, so another client's pings are answered meanwhile (on main it ran on
+    the event loop and a ping waited seconds)."""
+    x = feature(11, (8 << 20,))  # 32 MiB of float32
+    sid = f"s10-{os.getpid()}"
+    async with Client(solo.addr) as c, Client(solo.addr) as other:
+        expect(await c.embed([1], [shm(x, id="big")], session_id=sid, want_digest=True, timeout=60), 200)
+        futs = {f"ref-{i}": c.send_request("embed", [1, 2], [ref("big")], rid=f"ref-{i}", session_id=sid,
+                                           want_digest=True) for i in range(64)}
+        worst = 0.0
+        while not all(f.done() for f in futs.values()):
+            t0 = time.monotonic()
+            await other.ping(timeout=60)
+            worst = max(worst, time.monotonic() - t0)
+            await asyncio.sleep(0.02)
+        results = [await c.wait(rid, f, 60) for rid, f in futs.items()]
+        await c.close_session(sid, timeout=30)
+    print(f"slowest ping while 64 refs to a 32 MiB feature ran: {worst:.3f}s")
+    for r in results:
+        expect(r, 200)
+        assert r.meta["digests"] == [sha256_of(x)]
+    assert worst < 1.0, f"a ping waited {worst:.2f}s while the refs' batch ran"
