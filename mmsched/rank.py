@@ -78,7 +78,7 @@ class Leader:
         self.state = State.STARTING
         self.queue: OrderedDict[tuple, Request] = OrderedDict()
         self.inflight: dict[tuple, Request] = {}
-        self.aborting: set[tuple] = set()
+        self.aborting: dict[tuple, Request] = {}  # in-flight requests their client aborted
         self.broken_reason: str | None = None
         self.results_sent: dict[int, int] = {}
         self.orphans_reclaimed = 0
@@ -97,7 +97,7 @@ class Leader:
         self._acking: list[tuple[bytes, str]] = []
         self._idle_checked = time.monotonic()
         self._drain_deadline: float | None = None
-        runner.is_aborted = lambda req: req.key in self.aborting
+        runner.is_aborted = lambda req: self.aborting.get(req.key) is req  # that request, not its rid
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -181,7 +181,10 @@ class Leader:
             self._wake.set()
 
     def _forget(self, req: Request) -> None:
-        """The request is answered: drop its admission locks and its share of the in-flight bytes."""
+        """The request is answered: drop its abort mark, its admission locks and its share of the
+        in-flight bytes. Every answer passes here, so no mark outlives its request."""
+        if self.aborting.get(req.key) is req:
+            del self.aborting[req.key]
         if req.holds is not None:
             self.holds.drop(req.holds)
             req.holds = None
@@ -249,7 +252,7 @@ class Leader:
         if req is not None:
             self._answer(req, protocol.ABORTED, "aborted by client", stage="queued")
         elif key in self.inflight:
-            self.aborting.add(key)
+            self.aborting[key] = self.inflight[key]
 
     @property
     def healthy(self) -> bool:
@@ -316,7 +319,6 @@ class Leader:
         for req, res in zip(batch.requests, results):
             self._forget(req)
             self.inflight.pop(req.key, None)
-            self.aborting.discard(req.key)
             if res["status"] == INTERNAL:
                 event("request_failed", logging.WARNING, rid=req.rid, failed_ranks=res["meta"].get("failed_ranks"),
                       error=res["message"])

@@ -274,3 +274,20 @@ async def test_session_refs_count_their_bytes_and_leave_the_loop_free(solo):
         expect(r, 200)
         assert r.meta["digests"] == [sha256_of(x)]
     assert worst < 1.0, f"a ping waited {worst:.2f}s while the refs' batch ran"
+
+
+# ---------------------------------------------------------------- 6. an abort ends with its request
+
+async def test_a_rid_reused_after_an_in_flight_abort_runs(stalling):
+    """An abort marks the request it reached, not its rid: once the aborted request's 499 is
+    out, the same rid runs again (200, its own bytes)."""
+    x, y = feature(61), feature(62)
+    async with Client(stalling.addr) as c:
+        fut = c.send_request("embed", [1, 2, 3], [shm(x)], rid="hold-6", want_digest=True)
+        await asyncio.sleep(1.0)  # on the lane now, stalled before the engine's abort check
+        await c.abort("hold-6")
+        r = expect(await c.wait("hold-6", fut, 30), 499, err_type="RequestAborted")
+        again = expect(await c.embed([1, 2, 3], [shm(y)], rid="hold-6", want_digest=True, timeout=30), 200)
+        assert again.meta["digests"] == [sha256_of(y)]
+    assert r.meta.get("stage") == "engine", r.meta
+    assert my_segments() == set()
