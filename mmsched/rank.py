@@ -104,9 +104,9 @@ class Leader:
         self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)  # per frame: the hard backstop
         self.sock.setsockopt(zmq.SNDHWM, cfg.zmq_hwm)
         self.sock.setsockopt(zmq.RCVHWM, cfg.zmq_hwm)
-        # A connection that brings a routing id already in use takes it over (the old one is
-        # closed once its pending messages are read): libzmq's default ignores the newcomer
-        # for good, so it would get no reply and its segments would stay linked.
+        # A connection that brings a routing id already in use takes it over (what the old one
+        # had delivered is still read; libzmq reads nothing more from it): the default ignores
+        # the newcomer for good, so it would get no reply and its segments would stay linked.
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._auth = secure_frontend(self.ctx, self.sock, cfg)
         try:

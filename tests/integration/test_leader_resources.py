@@ -199,25 +199,28 @@ def test_a_config_the_descriptor_limit_cannot_hold_is_refused_at_start(tmp_path)
 
 # ---------------------------------------------------------------- 8. a stop with messages unread
 
-def test_a_stop_answers_what_is_still_unread_at_the_socket(start_server):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_stop_answers_what_is_still_unread_at_the_socket(start_server, tp):
     """500 requests sit unread at the frontend (the leader is paused while they are sent)
     when SIGTERM arrives: each still gets one result (200 if it ran, 503 otherwise) and its
-    segment is unlinked; the leader exits 0. On main the leader closed the socket on the
+    segment is unlinked; the group exits 0. On main the leader closed the socket on the
     ones it had not read yet: no result, segments left."""
-    srv = start_server()
+    srv = start_server("--tp", str(tp))
+    leader = srv.proc.pid if tp == 1 else srv.rank_pids()[0]
     n, data = 500, bytes(range(256)) * 16
     segs = [create_segment(data) for _ in range(n)]
     s = dealer(srv.addr)
     try:
-        os.kill(srv.proc.pid, signal.SIGSTOP)
+        os.kill(leader, signal.SIGSTOP)
         try:
             for i, seg in enumerate(segs):
                 s.send(request(f"u{i}", [shm_item(seg, len(data))]))
                 seg.sent()
             time.sleep(0.5)  # the client's I/O thread hands everything to the kernel
-            os.kill(srv.proc.pid, signal.SIGTERM)
+            srv.proc.send_signal(signal.SIGTERM)  # at tp=2 the launcher forwards it to the leader
+            time.sleep(0.2)
         finally:
-            os.kill(srv.proc.pid, signal.SIGCONT)
+            os.kill(leader, signal.SIGCONT)
         got = replies(s, n, 30)
     finally:
         s.close(linger=0)
