@@ -126,11 +126,12 @@ def test_a_new_connection_with_a_routing_id_in_use_takes_it_over(solo):
 STALL_S = 4
 
 
-@pytest.fixture(scope="module")
-def stalling(tmp_path_factory):
-    """tp=1; a ``hold-*`` request keeps the lane busy STALL_S seconds, so what follows queues."""
-    with Server("--fault", "0:stall:hold-*", "--stall-s", str(STALL_S),
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def stalling(request, tmp_path_factory):
+    """A ``hold-*`` request keeps the leader's lane busy STALL_S seconds, so what follows queues."""
+    with Server("--tp", str(request.param), "--fault", "0:stall:hold-*", "--stall-s", str(STALL_S),
                 tmp_dir=str(tmp_path_factory.mktemp("stalling"))) as srv:
+        srv.leader = srv.proc.pid if request.param == 1 else srv.rank_pids()[0]
         yield srv
 
 
@@ -139,7 +140,7 @@ async def test_one_client_cannot_exhaust_the_leaders_descriptors(stalling):
     64-byte segment. The leader holds one descriptor for that segment (not one per item),
     admits max_queued_items (8192) items and answers the rest 503 naming the setting; every
     request gets one result, another client is served, nothing stays linked or open."""
-    pid = stalling.proc.pid
+    pid = stalling.leader
     base = fds(pid)
     data = bytes(range(64))
     seg = create_segment(data)
@@ -176,7 +177,7 @@ async def test_one_client_cannot_exhaust_the_leaders_descriptors(stalling):
             assert r["meta"]["digests"] == [hashlib.sha256(data).hexdigest()] * 64
     assert gone(seg.name)
     assert fds(pid) - base < 16
-    assert stalling.proc.poll() is None
+    assert stalling.proc.poll() is None and sync_ping(stalling.addr, 5)["healthy"] is True
 
 
 def test_a_config_the_descriptor_limit_cannot_hold_is_refused_at_start(tmp_path):
