@@ -3,26 +3,15 @@ items or requests name it, and the last holder's drop closes it."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 
-from mmsched.transport.shm import Holds, create_segment, shm_path
+from mmsched.transport.shm import Holds, create_segment
+
+from .test_transport import exclusively_lockable
 
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def locked(name: str) -> bool:
-    """Whether someone holds a lock on the segment (an exclusive try fails)."""
-    fd = os.open(shm_path(name), os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
 
 
 def test_one_descriptor_per_segment_whatever_the_items_and_requests():
@@ -36,9 +25,9 @@ def test_one_descriptor_per_segment_whatever_the_items_and_requests():
         assert (len(holds), open_fds() - before) == (2, 2)
         assert missing == []
         holds.drop(first)
-        assert locked(a.name) and locked(b.name)   # the second request still holds both
+        assert not exclusively_lockable(a.name) and not exclusively_lockable(b.name)   # the second request still holds both
         holds.drop(second)
         assert (len(holds), open_fds() - before) == (0, 0)
-        assert not locked(a.name) and not locked(b.name)
+        assert exclusively_lockable(a.name) and exclusively_lockable(b.name)
     finally:
         a.discard(), b.discard()
