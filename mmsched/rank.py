@@ -29,7 +29,7 @@ from .protocol import (BAD_REQUEST, INTERNAL, UNAVAILABLE, Abort, CloseSession, 
 from .sessions import scoped, unscoped
 from .sweep import sweep
 from .transport.cuda_ipc import acknowledge
-from .transport.shm import drop, hold, unlink_segment
+from .transport.shm import Holds, unlink_segment
 
 
 class State(enum.Enum):
@@ -75,12 +75,14 @@ class Leader:
         self.state = State.STARTING
         self.queue: OrderedDict[tuple, Request] = OrderedDict()
         self.inflight: dict[tuple, Request] = {}
-        self.aborting: set[tuple] = set()
+        self.aborting: dict[tuple, Request] = {}  # in-flight requests their client aborted
         self.broken_reason: str | None = None
         self.results_sent: dict[int, int] = {}
         self.orphans_reclaimed = 0
         self.unlinked_at_leader = 0  # segments of requests answered before reaching the ranks
         self.feature_bytes_held = 0  # of queued and running requests (max_inflight_bytes)
+        self.items_held = 0  # of queued and running requests (max_queued_items)
+        self.holds = Holds()  # the admission locks: one descriptor per segment named
         self._follower_counters: dict[int, dict] = {}
         self._stats_at = time.monotonic()
         self.metrics = Metrics(self)
@@ -96,13 +98,17 @@ class Leader:
         self._arrived = 0  # requests received so far (their seq)
         self._idle_checked = time.monotonic()
         self._drain_deadline: float | None = None
-        runner.is_aborted = lambda req: req.key in self.aborting
+        runner.is_aborted = lambda req: self.aborting.get(req.key) is req  # that request, not its rid
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)  # per frame: the hard backstop
         self.sock.setsockopt(zmq.SNDHWM, cfg.zmq_hwm)
         self.sock.setsockopt(zmq.RCVHWM, cfg.zmq_hwm)
+        # A connection that brings a routing id already in use takes it over (what the old one
+        # had delivered is still read; libzmq reads nothing more from it): the default ignores
+        # the newcomer for good, so it would get no reply and its segments would stay linked.
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._auth = secure_frontend(self.ctx, self.sock, cfg)
         try:
             self.sock.bind(cfg.frontend)
@@ -187,11 +193,15 @@ class Leader:
         self._wake.set()
 
     def _forget(self, req: Request) -> None:
-        """The request is answered: drop its admission locks and its share of the in-flight bytes."""
+        """The request is answered: drop its abort mark, its admission locks and its share of the
+        in-flight bytes. Every answer passes here, so no mark outlives its request."""
+        if self.aborting.get(req.key) is req:
+            del self.aborting[req.key]
         if req.holds is not None:
-            drop(req.holds)
+            self.holds.drop(req.holds)
             req.holds = None
             self.feature_bytes_held -= req.feature_bytes
+            self.items_held -= len(req.items)
 
     def _reject(self, client: bytes, header_frame, exc: BadRequest) -> None:
         header = protocol.unpack_lenient(header_frame)  # reads past what made it a 400
@@ -211,7 +221,19 @@ class Leader:
                         f"holds no feature {it.ref!r}")
         return None
 
+    def _count_refs(self, req: Request) -> None:
+        """A session item costs its batch the whole feature it names (the engine reads every
+        byte): count it at that size, for max_inflight_bytes and for the loop-or-lane choice."""
+        for it in req.items:
+            if it.transport == "session":
+                try:
+                    t = self.runner.sessions.lookup(req.session_id, it.ref)
+                except KeyError:
+                    continue  # an unknown ref: a 400 (or, if closed meanwhile, a 500 in its batch)
+                it.nbytes = t.numel() * t.element_size()
+
     def _admit(self, req: Request) -> None:
+        self._count_refs(req)
         bad_ref = self._unknown_ref(req)
         if bad_ref:
             event("bad_request", rid=req.rid, field=bad_ref.split(":", 1)[0], error=bad_ref)
@@ -226,17 +248,21 @@ class Leader:
         elif self.feature_bytes_held + req.feature_bytes > self.cfg.max_inflight_bytes:
             self._answer(req, UNAVAILABLE, f"overloaded: {self.feature_bytes_held} feature bytes in flight, "
                          f"this request brings {req.feature_bytes} (max_inflight_bytes)")
+        elif self.items_held + len(req.items) > self.cfg.max_queued_items:
+            self._answer(req, UNAVAILABLE, f"overloaded: {self.items_held} feature items queued and running, "
+                         f"this request brings {len(req.items)} (max_queued_items)")
         else:
-            req.holds = hold(req.owned_segments)
+            req.holds = self.holds.hold(req.owned_segments)
             self.queue[req.key] = req
             self.feature_bytes_held += req.feature_bytes
+            self.items_held += len(req.items)
 
     def _abort(self, key: tuple) -> None:
         req = self.queue.pop(key, None)
         if req is not None:
             self._answer(req, protocol.ABORTED, "aborted by client", stage="queued")
         elif key in self.inflight:
-            self.aborting.add(key)
+            self.aborting[key] = self.inflight[key]
 
     @property
     def healthy(self) -> bool:
@@ -313,7 +339,6 @@ class Leader:
         for req, res in zip(batch.requests, results):
             self._forget(req)
             self.inflight.pop(req.key, None)
-            self.aborting.discard(req.key)
             if res["status"] == INTERNAL:
                 event("request_failed", logging.WARNING, rid=req.rid, failed_ranks=res["meta"].get("failed_ranks"),
                       error=res["message"])
@@ -389,11 +414,27 @@ class Leader:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self._answer_unread()
             self.sock.close(linger=1000)
             remove_ipc(self.cfg.frontend)
             if self._auth is not None:
                 self._auth.stop()
             self.ctx.term()
+
+    UNREAD_QUIET_S, UNREAD_MAX_S = 0.05, 2.0
+
+    def _answer_unread(self) -> None:
+        """The loop is over (stopped or broken): answer what clients sent that is still
+        queued at the socket (503, unlinking its segments) instead of closing on it. Reads
+        until the socket stays quiet for UNREAD_QUIET_S, for at most UNREAD_MAX_S."""
+        deadline = time.monotonic() + self.UNREAD_MAX_S
+        while time.monotonic() < deadline and self._raw.poll(int(self.UNREAD_QUIET_S * 1000), zmq.POLLIN):
+            for _ in range(1024):
+                try:
+                    frames = self._raw.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._on_message(frames)
 
     async def _sweep_orphans(self) -> None:
         """At start-up, then every sweep_interval: reclaim what crashed clients or ranks left behind."""

@@ -12,6 +12,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -43,6 +44,11 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_launcher()
     try:
+        reserve_descriptors(cfg, rank)
+    except ConfigError as exc:
+        event("config_error", logging.ERROR, error=str(exc))
+        return 2
+    try:
         group = SoloGroup() if world == 1 else GlooGroup(rank, world, "env://", cfg.collective_timeout)
     except Exception as exc:
         event("group_init_failed", logging.ERROR, error=describe(exc))
@@ -70,6 +76,26 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     lane.close()
     group.close()
     return code
+
+
+FD_RESERVE = 1024  # sockets, gloo, shared libraries, the pool and ack-board caches
+
+
+def reserve_descriptors(cfg: Config, rank: int) -> int:
+    """Make room for every descriptor clients may make this rank hold (a batch's open items;
+    at the leader, one lock per queued item): running out mid-batch would break the group.
+    Raises the soft RLIMIT_NOFILE as far as the hard one allows; refuses a config that
+    still does not fit. Returns the descriptors needed."""
+    need = cfg.max_batch * cfg.max_items + (cfg.max_queued_items if rank == 0 else 0) + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return need
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ConfigError(f"max_queued_items: rank {rank} may need {need} descriptors (max_batch x max_items"
+                          f"{' + max_queued_items' if rank == 0 else ''} + {FD_RESERVE}), RLIMIT_NOFILE allows "
+                          f"{hard}; raise `ulimit -n` or lower max_queued_items, max_batch or max_items")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return need
 
 
 def _run_loop(cfg: Config, runner: BatchRunner, lane: Lane, rank: int, world: int) -> int:

@@ -86,13 +86,9 @@ def open_feature(item: Item, rid: str, faults: Faults, lookup=None, rank: int = 
     ``lookup(ref)`` resolves a session item to the session's stored tensor. The protocol
     admits only these four transports.
     """
-    from . import inline, shm
-
     if item.transport == "shm":
         if item.pooled:
-            from .shm_pool import PooledFeature
-
-            return PooledFeature(item, rid, faults)
+            return shm_pool.PooledFeature(item, rid, faults)
         return shm.ShmFeature(item, rid, faults)
     if item.transport == "inline":
         return inline.InlineFeature(item, rid, faults)
@@ -100,6 +96,10 @@ def open_feature(item: Item, rid: str, faults: Faults, lookup=None, rank: int = 
         from ..sessions import SessionFeature
 
         return SessionFeature(item, rid, faults, lookup)
-    from .cuda_ipc import CudaIpcFeature
+    return cuda_ipc.CudaIpcFeature(item, rid, faults, rank, world)
 
-    return CudaIpcFeature(item, rid, faults, rank, world)
+
+# Imported here, once OpenedFeature exists (they extend it), and at start-up rather than on
+# first use: an import inside a batch that meets a descriptor limit (EMFILE) would break
+# the group. Sessions import this package; batch.py imports them at start-up.
+from . import cuda_ipc, inline, shm, shm_pool  # noqa: E402

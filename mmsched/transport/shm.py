@@ -130,24 +130,42 @@ def unlink_segment(name: str, rid: str | None = None, quiet_if_missing: bool = F
     return False
 
 
-def hold(names: list[str]) -> list[int]:
-    """Shared-lock each segment while its request waits at the leader (the sweep skips them)."""
-    fds = []
-    for name in names:
-        try:
-            fds.append(open_segment(name))
-        except (OSError, FeatureError):
-            continue  # missing, odd or locked: the request will fail to open it, as it should
-    return fds
+class Holds:
+    """The leader's shared locks on the segments of queued and running requests, so that the
+    orphan sweep leaves them alone: one descriptor per segment, however many items or
+    requests name it (counted), so descriptors held never exceed the items admitted."""
 
+    def __init__(self) -> None:
+        self._held: dict[str, list[int]] = {}  # name -> [fd, how many holders]
 
-def drop(fds: list[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    fds.clear()
+    def hold(self, names: list[str]) -> list[str]:
+        """Lock each segment (or count one more holder); the names held, for ``drop``."""
+        held = []
+        for name in names:
+            entry = self._held.get(name)
+            if entry is None:
+                try:
+                    entry = self._held[name] = [open_segment(name), 0]
+                except (OSError, FeatureError):
+                    continue  # missing, odd or locked: the request will fail to open it, as it should
+            entry[1] += 1
+            held.append(name)
+        return held
+
+    def drop(self, names: list[str]) -> None:
+        for name in names:
+            entry = self._held[name]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._held[name]
+                try:
+                    os.close(entry[0])
+                except OSError:
+                    pass
+
+    def __len__(self) -> int:
+        """Descriptors held."""
+        return len(self._held)
 
 
 # ---------------------------------------------------------------- producer (client side)

@@ -1,0 +1,300 @@
+"""What one client can make the leader hold, and what the leader owes every sender
+(issue 16, items 1, 6, 7, 8 and 10): descriptors and items per queue, aborts that end
+with their request, a routing id taken over by a new connection, messages still unread
+at the socket when the leader stops, and what a batch really costs (memory per feature,
+session refs on the loop).
+
+Every test runs against a real server; figures (descriptors in /proc/PID/fd, peak RSS,
+ping latency) are read from the leader process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from mmsched.client import Client, raw, ref, shm
+from mmsched.transport.shm import create_segment
+
+from ..conftest import Server, shm_segments, sync_ping
+from .lifecycle import expect, feature, my_segments, sha256_of, wait_until
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def vm_hwm(pid: int) -> int:
+    """Peak resident memory of a process, in bytes."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def dealer(addr: str, routing_id: bytes | None = None, reconnect: bool = True) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if routing_id is not None:
+        s.setsockopt(zmq.ROUTING_ID, routing_id)
+    if not reconnect:
+        s.setsockopt(zmq.RECONNECT_IVL, -1)
+    s.connect(addr)
+    return s
+
+
+def shm_item(seg, nbytes: int) -> dict:
+    return {"modality": "image", "transport": "shm", "dtype": "uint8", "shape": [nbytes], "shm_name": seg.name}
+
+
+def request(rid: str, items: list[dict], **kw) -> bytes:
+    return msgpack.packb({"v": 1, "type": "embed", "rid": rid, "input_ids": [1, 2, 3], "mm_items": items,
+                          "want_digest": True, **kw})
+
+
+def replies(s: zmq.Socket, n: int, timeout: float) -> list[dict]:
+    """Up to ``n`` replies within ``timeout`` seconds."""
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n and (left := deadline - time.monotonic()) > 0:
+        if s.poll(int(left * 1000)):
+            got.append(msgpack.unpackb(s.recv(), raw=False))
+    return got
+
+
+def until_pong(s: zmq.Socket, timeout: float) -> list[dict]:
+    """The replies before the next pong (which, one pipe in order, answers a ping sent last)."""
+    got, deadline = [], time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0 and s.poll(int(left * 1000)):
+        h = msgpack.unpackb(s.recv(), raw=False)
+        if h["type"] == "pong":
+            return got
+        got.append(h)
+    raise AssertionError(f"no pong within {timeout}s")
+
+
+def gone(name: str) -> bool:
+    return not os.path.exists(os.path.join("/dev/shm", name))
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory):
+    with Server(tmp_dir=str(tmp_path_factory.mktemp("solo"))) as srv:
+        yield srv
+
+
+# ---------------------------------------------------------------- 7. a routing id already in use
+
+def test_a_new_connection_with_a_routing_id_in_use_takes_it_over(solo):
+    """A client that reconnects under its routing id while its old connection is still open
+    (a restarted process, a half-dead link) is served on the new connection: a pong, a 200
+    with its own bytes, its segment unlinked. On main the new connection was ignored."""
+    old = dealer(solo.addr, b"client-7", reconnect=False)
+    new = None
+    try:
+        old.send(msgpack.packb({"v": 1, "type": "ping"}))
+        assert replies(old, 1, 10)[0]["type"] == "pong"
+        new = dealer(solo.addr, b"client-7")
+        data = bytes(range(256)) * 16
+        seg = create_segment(data)
+        seg.sent()
+        new.send(msgpack.packb({"v": 1, "type": "ping"}))
+        new.send(request("r7", [shm_item(seg, len(data))]))
+        got = replies(new, 2, 10)
+        assert [g["type"] for g in got] == ["pong", "result"], f"the new connection got {got}"
+        res = got[1]
+        assert (res["rid"], res["status"]) == ("r7", 200), res
+        assert res["meta"]["digests"] == [hashlib.sha256(data).hexdigest()]
+        assert gone(seg.name)
+    finally:
+        old.close(linger=0)
+        if new is not None:
+            new.close(linger=0)
+    assert sync_ping(solo.addr, 5)["healthy"] is True
+
+
+# ---------------------------------------------------------------- 1. descriptors and items per queue
+
+STALL_S = 4
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def stalling(request, tmp_path_factory):
+    """A ``hold-*`` request keeps the leader's lane busy STALL_S seconds, so what follows queues."""
+    with Server("--tp", str(request.param), "--fault", "0:stall:hold-*", "--stall-s", str(STALL_S),
+                tmp_dir=str(tmp_path_factory.mktemp("stalling"))) as srv:
+        srv.leader = srv.proc.pid if request.param == 1 else srv.rank_pids()[0]
+        yield srv
+
+
+async def test_one_client_cannot_exhaust_the_leaders_descriptors(stalling):
+    """While the lane is busy, one client queues 200 requests of 64 items, all naming one
+    64-byte segment. The leader holds one descriptor for that segment (not one per item),
+    admits max_queued_items (8192) items and answers the rest 503 naming the setting; every
+    request gets one result, another client is served, nothing stays linked or open."""
+    pid = stalling.leader
+    base = fds(pid)
+    data = bytes(range(64))
+    seg = create_segment(data)
+    seg.sent()
+    flood = dealer(stalling.addr)
+    try:
+        async with Client(stalling.addr) as c:
+            hold = c.send_request("embed", [7], [], rid="hold-1")
+            await asyncio.sleep(0.5)
+            for i in range(200):
+                flood.send(request(f"f{i}", [shm_item(seg, len(data))] * 64))
+            flood.send(msgpack.packb({"v": 1, "type": "ping"}))
+            early = until_pong(flood, 10)  # the leader has read the whole flood
+            held = fds(pid) - base
+            print(f"descriptors held for 200 x 64 items naming one segment: +{held}")
+            assert not hold.done(), "hold-1 ended before the flood was queued"
+            assert held < 16, f"the leader holds {held} more descriptors for one client's queued requests"
+            got = {r["rid"]: r for r in early + replies(flood, 200 - len(early), 60)}
+            expect(await c.wait("hold-1", hold, 30), 200)
+            mine = create_segment(data)
+            r = expect(await c.embed([1, 2, 3], [raw(shm_item(mine, len(data)))], want_digest=True), 200)
+            mine.sent()
+            assert r.meta["digests"] == [hashlib.sha256(data).hexdigest()]
+    finally:
+        flood.close(linger=0)
+    assert len(got) == 200, f"{200 - len(got)} flood requests got no result"
+    statuses = [r["status"] for r in got.values()]
+    over = [r for r in got.values() if r["status"] == 503]
+    assert len(over) == 200 - 8192 // 64, statuses
+    assert all("max_queued_items" in r["message"] for r in over), over[0]["message"]
+    for r in got.values():
+        assert r["status"] in (200, 500, 503), r
+        if r["status"] == 200:
+            assert r["meta"]["digests"] == [hashlib.sha256(data).hexdigest()] * 64
+    assert gone(seg.name)
+    assert fds(pid) - base < 16
+    assert stalling.proc.poll() is None and sync_ping(stalling.addr, 5)["healthy"] is True
+
+
+def test_a_config_the_descriptor_limit_cannot_hold_is_refused_at_start(tmp_path):
+    """Rather than run out of descriptors mid-batch (which breaks the group), a rank whose
+    hard RLIMIT_NOFILE cannot hold max_batch x max_items (+ max_queued_items at the leader)
+    refuses to start, naming the setting."""
+    import resource
+    import subprocess
+    import sys
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, 2048))
+
+    proc = subprocess.run([sys.executable, "-m", "mmsched", "serve", "--frontend", f"ipc://{tmp_path}/x.sock"],
+                          preexec_fn=low_limit, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("MMSCHED_")})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "max_queued_items" in proc.stdout + proc.stderr and "2048" in proc.stdout + proc.stderr
+
+
+# ---------------------------------------------------------------- 8. a stop with messages unread
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_stop_answers_what_is_still_unread_at_the_socket(start_server, tp):
+    """500 requests sit unread at the frontend (the leader is paused while they are sent)
+    when SIGTERM arrives: each still gets one result (200 if it ran, 503 otherwise) and its
+    segment is unlinked; the group exits 0. On main the leader closed the socket on the
+    ones it had not read yet: no result, segments left."""
+    srv = start_server("--tp", str(tp))
+    leader = srv.proc.pid if tp == 1 else srv.rank_pids()[0]
+    n, data = 500, bytes(range(256)) * 16
+    segs = [create_segment(data) for _ in range(n)]
+    s = dealer(srv.addr)
+    try:
+        os.kill(leader, signal.SIGSTOP)
+        try:
+            for i, seg in enumerate(segs):
+                s.send(request(f"u{i}", [shm_item(seg, len(data))]))
+                seg.sent()
+            time.sleep(0.5)  # the client's I/O thread hands everything to the kernel
+            srv.proc.send_signal(signal.SIGTERM)  # at tp=2 the launcher forwards it to the leader
+            time.sleep(0.2)
+        finally:
+            os.kill(leader, signal.SIGCONT)
+        got = replies(s, n, 30)
+    finally:
+        s.close(linger=0)
+    assert srv.proc.wait(30) == 0, srv.logs()[-2000:]
+    by_rid = {r["rid"]: r for r in got}
+    assert len(got) == len(by_rid) == n, f"{n - len(by_rid)} of {n} requests got no result"
+    digest = hashlib.sha256(data).hexdigest()
+    for r in got:
+        assert r["status"] in (200, 503), r
+        if r["status"] == 200:
+            assert r["meta"]["digests"] == [digest]
+        else:
+            assert r["message"].startswith("service unavailable"), r["message"]
+    left = [seg.name for seg in segs if not gone(seg.name)]
+    assert not left, f"{len(left)} segments left in /dev/shm"
+
+
+# ---------------------------------------------------------------- 10. what a batch really costs
+
+@pytest.mark.parametrize("tp", [1, 2])
+async def test_a_feature_costs_a_rank_about_its_own_size(start_server, tp):
+    """One 64 MiB feature: each rank's peak memory grows by about the feature (its owned
+    copy), not ~9x (the reference engine widened every byte to int64 first: +579 MiB)."""
+    srv = start_server("--tp", str(tp))
+    ranks = [srv.proc.pid] if tp == 1 else srv.rank_pids()
+    x = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(10))
+    before = [vm_hwm(p) for p in ranks]
+    async with Client(srv.addr) as c:
+        r = expect(await c.embed([1, 2, 3], [shm(x)], want_digest=True, timeout=60), 200)
+    grown = [vm_hwm(p) - b for p, b in zip(ranks, before)]
+    print(f"peak RSS per rank for one {x.numel() >> 20} MiB feature: {['+%d MiB' % (g >> 20) for g in grown]}")
+    assert r.meta["digests"] == [sha256_of(x)]
+    for rank, g in enumerate(grown):
+        assert g < 2.5 * x.numel(), f"rank {rank}'s peak RSS grew {g >> 20} MiB for a {x.numel() >> 20} MiB feature"
+
+
+async def test_session_refs_count_their_bytes_and_leave_the_loop_free(solo):
+    """64 refs to a stored 32 MiB feature are a 2 GiB batch, not a 0-byte one: at tp=1 it
+    runs on the lane, so another client's pings are answered meanwhile (on main it ran on
+    the event loop and a ping waited seconds)."""
+    x = feature(11, (8 << 20,))  # 32 MiB of float32
+    sid = f"s10-{os.getpid()}"
+    async with Client(solo.addr) as c, Client(solo.addr) as other:
+        expect(await c.embed([1], [shm(x, id="big")], session_id=sid, want_digest=True, timeout=60), 200)
+        futs = {f"ref-{i}": c.send_request("embed", [1, 2], [ref("big")], rid=f"ref-{i}", session_id=sid,
+                                           want_digest=True) for i in range(64)}
+        worst = 0.0
+        while not all(f.done() for f in futs.values()):
+            t0 = time.monotonic()
+            await other.ping(timeout=60)
+            worst = max(worst, time.monotonic() - t0)
+            await asyncio.sleep(0.02)
+        results = [await c.wait(rid, f, 60) for rid, f in futs.items()]
+        await c.close_session(sid, timeout=30)
+    print(f"slowest ping while 64 refs to a 32 MiB feature ran: {worst:.3f}s")
+    for r in results:
+        expect(r, 200)
+        assert r.meta["digests"] == [sha256_of(x)]
+    assert worst < 1.0, f"a ping waited {worst:.2f}s while the refs' batch ran"
+
+
+# ---------------------------------------------------------------- 6. an abort ends with its request
+
+async def test_a_rid_reused_after_an_in_flight_abort_runs(stalling):
+    """An abort marks the request it reached, not its rid: once the aborted request's 499 is
+    out, the same rid runs again (200, its own bytes)."""
+    x, y = feature(61), feature(62)
+    async with Client(stalling.addr) as c:
+        fut = c.send_request("embed", [1, 2, 3], [shm(x)], rid="hold-6", want_digest=True)
+        await asyncio.sleep(1.0)  # on the lane now, stalled before the engine's abort check
+        await c.abort("hold-6")
+        r = expect(await c.wait("hold-6", fut, 30), 499, err_type="RequestAborted")
+        again = expect(await c.embed([1, 2, 3], [shm(y)], rid="hold-6", want_digest=True, timeout=30), 200)
+        assert again.meta["digests"] == [sha256_of(y)]
+    assert r.meta.get("stage") == "engine", r.meta
+    assert my_segments() == set()
