@@ -36,10 +36,11 @@ def feature(seed: int, shape=(8, 32), dtype=torch.float32) -> torch.Tensor:
 
 
 def replace_segment(name: str, data: bytes) -> None:
-    """Another segment under the same name, as an owner re-creating its pool does: unlink,
-    then create anew (a new inode) holding ``data``."""
+    """A segment under ``name`` holding ``data``; one that exists is replaced, as an owner
+    re-creating its pool does (unlinked, then created anew: a new inode)."""
     path = os.path.join(SHM_DIR, name)
-    os.unlink(path)
+    if os.path.exists(path):
+        os.unlink(path)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.write(fd, data)

@@ -20,6 +20,7 @@ from mmsched.protocol import Limits, decode, pack
 from mmsched.transport import open_feature
 from mmsched.transport.cuda_ipc import CudaIpcFeature, IpcPool, ShmDevice, acknowledge
 from mmsched.transport.shm import shm_path
+from tests.integration.lifecycle import replace_segment
 
 SLOT = 1024
 
@@ -248,10 +249,7 @@ def test_acks_for_a_board_re_created_under_its_name_go_nowhere(make_pool):
     t = tensor(1)
     old = item_for(pool, t, pool.lease(t))
     assert old.ipc["acks_id"] == pool.board.inode
-    os.unlink(shm_path(pool.board.name))  # re-created: same name, new inode, no acks yet
-    fd = os.open(shm_path(pool.board.name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    os.write(fd, bytes(8))
-    os.close(fd)
+    replace_segment(pool.board.name, bytes(8))  # re-created: same name, new inode, no acks yet
     f = open_feature(old, "r", NO_FAULTS, None, 0, 1)
     assert "re-created since the request was sent" in str(f.error)  # a 500, not the new pool's bytes
     f.release(unlink=True)

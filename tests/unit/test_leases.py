@@ -24,23 +24,12 @@ from mmsched.transport import cuda_ipc, prune_idle
 from mmsched.transport.cuda_ipc import CudaIpcFeature
 from mmsched.transport.shm import shm_path
 from mmsched.transport.shm_pool import PoolCache, PooledFeature
+from tests.integration.lifecycle import replace_segment
 
 NO_FAULTS = Faults([], 0)
 POOL_BYTES = 256
 NAMES = 5  # more names than the caches below may keep idle
 LIMIT = 2
-
-
-def write_file(name: str, data: bytes) -> None:
-    """Create ``name`` anew (a new inode if it existed: unlinked first, as an owner replacing it does)."""
-    path = shm_path(name)
-    if os.path.exists(path):
-        os.unlink(path)
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
 
 
 def fds_into(prefix: str) -> int:
@@ -97,7 +86,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.generation += 1
         data = bytes((self.generation * 7 + i) % 251 for i in range(POOL_BYTES))
         name = f"{self.prefix}{k}"
-        write_file(name, data)
+        replace_segment(name, data)
         self.files[name] = data
         self.created(name)
 
@@ -190,7 +179,7 @@ class AttachmentMachine(CacheMachine):
         self._saved, cuda_ipc.ATTACHED = cuda_ipc.ATTACHED, cuda_ipc._Attachments(limit=LIMIT)
 
     def created(self, name):
-        write_file(f"{name}.acks", bytes(8))  # re-created with its pool, as a producer does
+        replace_segment(f"{name}.acks", bytes(8))  # re-created with its pool, as a producer does
 
     def unlinking(self, name):
         os.unlink(shm_path(f"{name}.acks"))
@@ -233,7 +222,7 @@ def test_prune_idle_drops_a_pool_its_owner_unlinked():
     from mmsched.transport.shm_pool import POOLS
 
     name = f"mmsched_prune{uuid.uuid4().hex[:8]}"
-    write_file(name, b"\x05" * 128)
+    replace_segment(name, b"\x05" * 128)
     item = Item(index=0, modality="image", transport="shm", dtype="uint8", shape=(16,), nbytes=16,
                 shm_name=name, pooled=True)
     f = PooledFeature(item, "r", NO_FAULTS)
@@ -254,14 +243,14 @@ def cells(board: str) -> list[int]:
 def test_a_replaced_ack_board_gets_the_acks():
     """A pool re-created under its name: acks go to the new board, not the old one."""
     name = f"mmsched_board{uuid.uuid4().hex[:8]}"
-    write_file(name, bytes(16))
+    replace_segment(name, bytes(16))
     try:
         item = Item(index=0, modality="image", transport="cuda_ipc", dtype="uint8", shape=(1,), nbytes=1,
                     ipc={"device": "shm", "handle": b"x", "acks": name, "ranks": 2, "slot": 0, "offset": 0,
                          "generation": 3})
         cuda_ipc.acknowledge(item, [0])
         assert cells(name) == [3, 0]
-        write_file(name, bytes(16))  # the producer made a new pool (and board) under the same name
+        replace_segment(name, bytes(16))  # the producer made a new pool (and board) under the same name
         cuda_ipc.acknowledge(item, [1])
         assert cells(name) == [0, 3]
     finally:
