@@ -20,7 +20,7 @@ from .batch import Batch, BatchRunner
 from .config import Config
 from .errors import BadRequest, ConfigError, GroupBroken, describe
 from .admin import AdminServer
-from .auth import remove_ipc, restrict_ipc, secure_frontend
+from .auth import claim_ipc, ipc_identity, ipc_lost, remove_ipc, restrict_ipc, secure_frontend
 from .lane import Lane
 from .log import event
 from .metrics import Metrics
@@ -96,6 +96,7 @@ class Leader:
         self._idle_checked = time.monotonic()
         self._drain_deadline: float | None = None
         runner.is_aborted = lambda req: req.key in self.aborting
+        claim_ipc(cfg.frontend)  # again: another server may have bound it since the CLI checked
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -109,6 +110,7 @@ class Leader:
             self.sock.close(linger=0)
             raise ConfigError(f"frontend: cannot bind {cfg.frontend}: {exc}") from exc
         restrict_ipc(cfg.frontend, int(cfg.ipc_mode, 8))
+        self._bound = ipc_identity(cfg.frontend)  # /health and the stop check the file is still ours
         self._raw = zmq.Socket.shadow(self.sock.underlying)  # sync view for NOBLOCK drains and sends
 
     # ------------------------------------------------------------ client I/O
@@ -238,6 +240,9 @@ class Leader:
             return False, self.broken_reason or f"rank group broken: {self.lane.broken}"
         if self.state is not State.SERVING:
             return False, self.state.value
+        lost = ipc_lost(self.cfg.frontend, self._bound)
+        if lost:
+            return False, lost
         stuck = self.lane.stuck_for()
         if stuck > self.cfg.collective_timeout:
             return False, f"lane stuck: a collective has run {stuck:.1f}s (deadline {self.cfg.collective_timeout:g}s)"
@@ -368,7 +373,7 @@ class Leader:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.sock.close(linger=1000)
-            remove_ipc(self.cfg.frontend)
+            remove_ipc(self.cfg.frontend, self._bound)
             if self._auth is not None:
                 self._auth.stop()
             self.ctx.term()
