@@ -133,8 +133,9 @@ def _add_loadtest_flags(p: argparse.ArgumentParser) -> None:
     loop = p.add_mutually_exclusive_group()
     loop.add_argument("--rate", type=float, metavar="R", help="open loop: R requests/s")
     loop.add_argument("--concurrency", type=int, metavar="C", help="closed loop: C in flight (default 16)")
-    p.add_argument("--requests", type=int, default=1000, metavar="N", help="send at most N requests (1000)")
-    p.add_argument("--duration", type=float, default=60.0, metavar="S", help="send for at most S seconds (60)")
+    p.add_argument("--requests", type=int, metavar="N",
+                   help="send at most N requests (default 1000; with --duration, no count limit)")
+    p.add_argument("--duration", type=float, metavar="S", help="send for at most S seconds (default 60)")
     p.add_argument("--drain", type=float, default=10.0, metavar="S",
                    help="then wait at most S seconds for outstanding results; the rest are lost (10)")
     p.add_argument("--type", choices=("embed", "generate"), default="embed")
@@ -168,7 +169,8 @@ def _loadtest(args: argparse.Namespace) -> int:
         return 2
     spec = loadgen.LoadSpec(
         frontend=args.frontend or cfg.frontend, rate=args.rate, concurrency=args.concurrency,
-        requests=args.requests, duration=args.duration, drain_s=args.drain, type=args.type, items=args.items,
+        requests=args.requests if args.requests is not None else (None if args.duration is not None else 1000),
+        duration=args.duration if args.duration is not None else 60.0, drain_s=args.drain, type=args.type, items=args.items,
         item_bytes=args.item_bytes, transports=args.transport, session_turns=args.session_turns,
         fail_rate=args.fail_rate, client_faults=args.client_faults, abort_rate=args.abort_rate, seed=args.seed,
         shm_prefix=cfg.shm_prefix, pool_bytes=int(args.pool_mb * (1 << 20)) if args.pool_mb else None,
@@ -179,7 +181,10 @@ def _loadtest(args: argparse.Namespace) -> int:
         print(f"mmsched loadtest: {exc}", file=sys.stderr)
         return 2
     report = loadgen.run_sync(spec)
-    print(loadgen.format_table(report))
+    if report.summary["sent"]:
+        print(loadgen.format_table(report))
+    if report.error:
+        print(f"mmsched loadtest: {report.error}", file=sys.stderr)
     if args.json:
         loadgen.write_json(report, args.json)
     if args.plot:

@@ -350,6 +350,7 @@ class Leader:
     async def _stopped(self) -> int:
         if not self._now.is_set():
             await self._stop_followers()
+        self._answer_unread()
         self._answer_all(UNAVAILABLE, "service unavailable: shut down before this request ran")
         self.state = State.STOPPED
         event("stopped", results=dict(sorted(self.results_sent.items())))
@@ -402,6 +403,16 @@ class Leader:
                 await self.lane.run(self.runner.group.broadcast, stop.encode())
             except GroupBroken as exc:
                 event("stop_broadcast_failed", logging.WARNING, reason=str(exc))
+
+    def _answer_unread(self) -> None:
+        """Before the socket closes: what clients sent and nobody has read yet gets its 503 (its
+        segments unlinked), not silence; a sender faster than the drain can leave thousands."""
+        for _ in range(self.cfg.zmq_hwm + 1):
+            try:
+                frames = self._raw.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_message(frames)
 
     def _answer_all(self, status: int, message: str) -> None:
         """Answer everything queued (and, when broken, in flight) and unlink its segments."""

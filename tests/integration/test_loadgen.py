@@ -108,20 +108,23 @@ async def test_lost_results_when_the_server_is_killed_midway(start_server):
     assert report.segments["leaked"] == []  # pooled: the client's own pool, removed at the end
 
 
-def test_cli_exits_nonzero_on_lost_results(tmp_path):
-    """A frontend with no server: every result is lost, exit code 1, the JSON report says so."""
+def test_cli_with_no_server_fails_fast_and_says_so(tmp_path):
+    """A frontend with no server: no pong within the first seconds, so nothing is sent and the
+    command says why at once (it used to send for the whole run and print a send rate)."""
+    import time
+
     out = tmp_path / "report.json"
     addr = f"ipc:///tmp/mmsched-test-nobody-{uuid.uuid4().hex[:8]}.sock"
+    t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "mmsched", "loadtest", "--frontend", addr, "--concurrency", "4",
-         "--requests", "50", "--duration", "0.5", "--drain", "0.5", "--json", str(out)],
+        [sys.executable, "-m", "mmsched", "loadtest", "--frontend", addr, "--json", str(out)],
         capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "FAIL: lost results" in proc.stdout
+    assert f"mmsched loadtest: no pong from {addr} within 2 s: is the server up?" in proc.stderr, proc.stderr
+    assert proc.stdout == "" and took < 20, (proc.stdout, took)
     doc = json.loads(out.read_text())
-    assert doc["summary"]["lost"] == doc["summary"]["sent"] == 4
-    assert doc["raw"]["columns"][-1] == "status"
-    assert [r[-1] for r in doc["raw"]["rows"]] == [0, 0, 0, 0]
+    assert doc["summary"]["sent"] == 0 and doc["error"].startswith("no pong")
 
 
 def test_cli_table_json_and_plot(shared_server, tmp_path):
@@ -156,3 +159,27 @@ def test_make_loadtest_target_uses_the_serve_config():
     load = re.search(r"^loadtest:.*\n\t(.*)$", make, re.M).group(1)
     cfg = re.search(r"--config (\S+)", serve)
     assert cfg and f"--config {cfg.group(1)}" in load and "mmsched loadtest" in load
+
+
+async def test_the_load_generator_stops_sending_when_the_server_goes_away(start_server):
+    """Issue 17 item 3: SIGTERM to a tp=2 server under --rate 1500; the generator kept sending
+    into the gone socket (thousands of lost results, as many segments nobody unlinked).
+    Once the server says it is draining it must stop, and end soon after the server is gone."""
+    import asyncio
+    import time
+
+    srv = start_server("--tp", "2")
+    spec = LoadSpec(frontend=srv.addr, rate=1500, requests=45000, duration=30, drain_s=20, items=1,
+                    item_bytes=[4096], transports=["shm"], seed=5)
+    asyncio.get_running_loop().call_later(2.0, srv.proc.send_signal, signal.SIGTERM)
+    t0 = time.monotonic()
+    report = await loadgen.run(spec)
+    took = time.monotonic() - t0
+    assert await asyncio.get_running_loop().run_in_executor(None, srv.proc.wait, 60) == 0
+    s = report.summary
+    figures = (s["sent"], s["lost"], len(report.segments["leaked"]), round(took, 1), getattr(report, "error", None))
+    assert s["sent"] < 1500 * 10, figures                # it stopped, not after 30 s
+    assert s["lost"] <= 50 and len(report.segments["leaked"]) <= 50, figures
+    assert took < 20, figures
+    assert "going away" in (report.error or ""), figures
+    assert not report.ok
