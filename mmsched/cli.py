@@ -71,12 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         sys.stdout.write(cfg.to_toml())
         return 0
+    from .admin import check_admin
     from .auth import check_frontend
 
     placed = _env_rank()
+    world = placed[1] if placed is not None else cfg.tp
     try:
-        if placed is None or placed[0] == 0:  # only the leader binds the frontend
+        for f in cfg.faults:
+            if f.rank >= world:
+                raise ConfigError(f"fault: {f} names rank {f.rank}; the group has ranks 0..{world - 1}")
+        if placed is None or placed[0] == 0:  # only the leader binds the frontend and the admin port
             check_frontend(cfg)
+            check_admin(cfg.admin)
     except ConfigError as exc:
         print(f"mmsched: config error: {exc}", file=sys.stderr)
         return 2
@@ -106,7 +112,7 @@ def _sweep(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"mmsched: config error: {exc}", file=sys.stderr)
         return 2
-    log.setup(-1, cfg.log_format, cfg.log_level)
+    log.setup(-1, cfg.log_format, cfg.log_level, role="sweep")
     report = sweep(cfg.shm_prefix, cfg.sweep_grace, dry_run=args.dry_run)
     verb = "would reclaim" if args.dry_run else "reclaimed"
     for name in report.reclaimed:

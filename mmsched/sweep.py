@@ -27,15 +27,16 @@ class SweepReport:
     locked: list[str] = field(default_factory=list)
     young: list[str] = field(default_factory=list)
     in_flight: list[str] = field(default_factory=list)
+    dry_run: bool = False
 
     def __str__(self) -> str:
-        return (f"reclaimed={len(self.reclaimed)} locked={len(self.locked)} "
+        return (f"{'would_reclaim' if self.dry_run else 'reclaimed'}={len(self.reclaimed)} locked={len(self.locked)} "
                 f"young={len(self.young)} in_flight={len(self.in_flight)}")
 
 
 def sweep(prefix: str, grace_s: float, in_flight: frozenset[str] | set[str] = frozenset(),
           dry_run: bool = False) -> SweepReport:
-    report = SweepReport()
+    report = SweepReport(dry_run=dry_run)
     try:
         names = sorted(os.listdir(SHM_DIR))
     except OSError as exc:

@@ -129,6 +129,7 @@ def test_sweep_reclaims_what_a_killed_client_left_behind(prefix, sweep_cli):
         age(n, 0)  # just written, as far as the sweep can tell
     out = sweep_cli("--shm-prefix", prefix, "--grace", "0", "--dry-run")
     assert sorted(re.findall(r"^would reclaim (\S+)$", out, re.M)) == sorted(names), out
+    assert "sweep would_reclaim=3 locked=0" in out, out  # a dry run reclaims nothing
     assert all(exists(n) for n in names), "a dry run unlinks nothing"
     out = sweep_subprocess("--shm-prefix", prefix, "--grace", "0")
     assert sorted(re.findall(r"^reclaimed (\S+)$", out, re.M)) == sorted(names), out
