@@ -183,6 +183,8 @@ def _loadtest(args: argparse.Namespace) -> int:
         progress=not args.quiet and sys.stderr.isatty())
     try:
         spec.validate()
+        if args.plot and not loadgen.can_plot():
+            raise ValueError(loadgen.PLOT_NEEDS)
     except ValueError as exc:
         print(f"mmsched loadtest: {exc}", file=sys.stderr)
         return 2

@@ -271,6 +271,16 @@ def _finite(x):
     return x
 
 
+PLOT_NEEDS = "--plot needs matplotlib: pip install 'mmsched[plot]' (or .venv/bin/pip install matplotlib)"
+
+
+def can_plot() -> bool:
+    """Checked before a run, so a missing matplotlib does not cost the whole run."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def write_plot(report: Report, path: str) -> None:
     """A PNG: each result's latency against its send time, by status, with p50/p99 per time bin."""
     try:
@@ -278,8 +288,9 @@ def write_plot(report: Report, path: str) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter
     except ImportError as exc:
-        raise RuntimeError("--plot needs matplotlib: pip install 'mmsched[plot]'") from exc
+        raise RuntimeError(PLOT_NEEDS) from exc
     rec = report.records
     status = np.asarray(rec.status)
     t = np.asarray(rec.t_send)
@@ -305,6 +316,9 @@ def write_plot(report: Report, path: str) -> None:
         ax.scatter(t[~done], np.full(int((~done).sum()), np.nanmax(lat) if done.any() else 1.0),
                    marker="x", color="red", s=12, label=f"lost ({int((~done).sum())})")
     ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")  # 6 ms, not 6×10^0
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
     ax.set_xlabel("send time (s since start)")
     ax.set_ylabel("latency (ms)")
     s = report.summary

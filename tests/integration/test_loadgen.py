@@ -5,6 +5,7 @@ Small runs (a few hundred requests); speed is never asserted.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import urllib.request
 import uuid
+
+import pytest
 
 from mmsched import loadgen
 from mmsched.loadgen import LoadSpec
@@ -183,3 +186,26 @@ async def test_the_load_generator_stops_sending_when_the_server_goes_away(start_
     assert took < 20, figures
     assert "going away" in (report.error or ""), figures
     assert not report.ok
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed here")
+def test_plot_without_matplotlib_fails_before_the_run(tmp_path):
+    """Issue 17 item 5: ``--plot`` without matplotlib used to fail only after the whole run."""
+    addr = f"ipc:///tmp/mmsched-test-nobody-{uuid.uuid4().hex[:8]}.sock"
+    proc = subprocess.run([sys.executable, "-m", "mmsched", "loadtest", "--frontend", addr, "--plot",
+                           str(tmp_path / "p.png")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "mmsched loadtest: --plot needs matplotlib: pip install 'mmsched[plot]' " \
+        "(or .venv/bin/pip install matplotlib)", proc.stderr
+
+
+def test_a_duration_is_not_cut_short_by_the_default_request_count(shared_server, tmp_path):
+    """Issue 17 item 4: ``--rate 2000 --duration 10`` (the README's example) stopped after the
+    default 1000 requests, in 0.5 s. Here: 250/s for 6 s must send about 1500, not 1000."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "mmsched", "loadtest", "--frontend", shared_server.addr,
+                           "--rate", "250", "--duration", "6", "--items", "0", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sent = json.loads(out.read_text())["summary"]["sent"]
+    assert 1400 <= sent <= 1500, sent
