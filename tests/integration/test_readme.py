@@ -11,6 +11,7 @@ Each server must answer a ping, drain on SIGTERM to its leader, and exit 0.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -165,8 +166,10 @@ def test_readme_commands_run_as_written_in_a_new_shell(tmp_path):
             assert "Traceback" not in _log(log), (cmd, _log(log))
     finally:
         for _, sock, proc, log in servers:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+            if proc.poll() is None:  # torchrun's ranks live in their own process group
+                for pid in reversed(_descendants(proc.pid)):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 proc.wait()
             log.close()
             path = sock[len("ipc://"):]
