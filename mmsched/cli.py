@@ -1,4 +1,4 @@
-"""The ``mmsched`` command: serve, config."""
+"""The ``mmsched`` command: serve, config, sweep, keygen, loadtest."""
 
 from __future__ import annotations
 
@@ -15,23 +15,30 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     for name, f in config_mod.FIELDS.items():
         flag = "--" + name.replace("_", "-")
         kind = type(f.default) if not isinstance(f.default, type(config_mod.dataclasses.MISSING)) else list
+        default = f.default_factory() if kind is list else f.default
+        choices = f.metadata["choices"]
+        help = (f"{f.metadata['help']}" + (f"; one of {', '.join(choices)}" if choices else "")
+                + f" (default: {config_mod._toml_value(default)}; env MMSCHED_{name.upper()})").replace("%", "%%")
         if name == "fault":
-            p.add_argument(flag, action="append", metavar="RANK:STAGE:RID_GLOB", help=f.metadata["help"])
+            p.add_argument(flag, action="append", metavar="RANK:STAGE:RID_GLOB", help=help)
         elif kind is bool:
-            p.add_argument(flag, action="store_const", const=True, default=None, help=f.metadata["help"])
+            p.add_argument(flag, action="store_const", const=True, default=None, help=help)
         else:
-            p.add_argument(flag, type=kind, metavar=name.upper(), help=f.metadata["help"],
-                           choices=f.metadata["choices"])
+            p.add_argument(flag, type=kind, metavar=name.upper(), help=help, choices=choices)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmsched", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mmsched", description="mmsched, a scheduler sidecar for multimodal "
+                                     "LLM serving: serve, config, sweep, keygen, loadtest. See README.md.")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the scheduler (tp ranks)")
+    serve = sub.add_parser("serve", help="run the scheduler (tp ranks)", description=(
+        "Run the scheduler. Every setting is a flag, an environment variable and a TOML key; "
+        "flags beat the environment, which beats --config FILE, which beats the defaults."))
     _add_config_flags(serve)
-    cfgp = sub.add_parser("config", help="print the effective configuration")
+    cfgp = sub.add_parser("config", help="check the configuration (file, environment, flags); --print shows it all")
     _add_config_flags(cfgp)
-    cfgp.add_argument("--print", action="store_true", dest="do_print", help="print it as TOML")
+    cfgp.add_argument("--print", action="store_true", dest="do_print",
+                      help="print the whole effective configuration as TOML (a valid config file)")
     kg = sub.add_parser("keygen", help="write a CurveZMQ key pair: NAME.key (public) and NAME.key_secret")
     kg.add_argument("--out", default=".", metavar="DIR", help="directory to write into")
     kg.add_argument("--name", default="mmsched", help="file name stem")
@@ -69,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mmsched: config error: {exc}", file=sys.stderr)
         return 2
     if args.command == "config":
-        sys.stdout.write(cfg.to_toml())
+        if args.do_print:
+            sys.stdout.write(cfg.to_toml())
+        else:
+            changed = [k for k in config_mod.FIELDS if getattr(cfg, k) != getattr(config_mod.Config(), k)]
+            print(f"config ok; differs from the defaults in: {', '.join(changed) or 'nothing'} "
+                  "(mmsched config --print shows every setting)")
         return 0
     from .admin import check_admin
     from .auth import check_frontend
@@ -144,7 +156,8 @@ def _add_loadtest_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, metavar="S", help="send for at most S seconds (default 60)")
     p.add_argument("--drain", type=float, default=10.0, metavar="S",
                    help="then wait at most S seconds for outstanding results; the rest are lost (10)")
-    p.add_argument("--type", choices=("embed", "generate"), default="embed")
+    p.add_argument("--type", choices=("embed", "generate"), default="embed",
+                   help="request type: embed or generate (embed)")
     p.add_argument("--items", type=int, default=1, metavar="K", help="features per request (0: text only)")
     p.add_argument("--item-bytes", type=sizes, default=[64 << 10], metavar="SIZES",
                    help="feature size(s), comma-separated, e.g. 64K,1M (64K)")
