@@ -95,6 +95,7 @@ class Leader:
         self._acking: list[tuple[bytes, str]] = []
         self._idle_checked = time.monotonic()
         self._drain_deadline: float | None = None
+        self._heard_at = 0.0  # when a client last sent something (the stop waits for quiet)
         runner.is_aborted = lambda req: req.key in self.aborting
         claim_ipc(cfg.frontend)  # again: another server may have bound it since the CLI checked
         self.ctx = zmq.asyncio.Context()
@@ -142,6 +143,7 @@ class Leader:
         """Wait for a message, then drain without blocking: receiving in batches is ~7x faster."""
         while True:
             await self.sock.poll(flags=zmq.POLLIN)
+            self._heard_at = time.monotonic()
             for _ in range(max(self.cfg.max_batch, 64)):
                 try:
                     frames = self._raw.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -350,7 +352,8 @@ class Leader:
     async def _stopped(self) -> int:
         if not self._now.is_set():
             await self._stop_followers()
-        self._answer_unread()
+        if not self._now.is_set():
+            await self._until_quiet()
         self._answer_all(UNAVAILABLE, "service unavailable: shut down before this request ran")
         self.state = State.STOPPED
         event("stopped", results=dict(sorted(self.results_sent.items())))
@@ -404,15 +407,15 @@ class Leader:
             except GroupBroken as exc:
                 event("stop_broadcast_failed", logging.WARNING, reason=str(exc))
 
-    def _answer_unread(self) -> None:
-        """Before the socket closes: what clients sent and nobody has read yet gets its 503 (its
-        segments unlinked), not silence; a sender faster than the drain can leave thousands."""
-        for _ in range(self.cfg.zmq_hwm + 1):
-            try:
-                frames = self._raw.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._on_message(frames)
+    QUIET_S, QUIET_LIMIT_S = 0.2, 2.0
+
+    async def _until_quiet(self) -> None:
+        """Before the socket closes: go on answering 503 while clients still send (at most
+        QUIET_LIMIT_S), so what a sender faster than the drain has in flight gets an answer and
+        its segments unlinked, instead of dying unread with the socket. Clients stop at a 503."""
+        end = time.monotonic() + self.QUIET_LIMIT_S
+        while time.monotonic() - self._heard_at < self.QUIET_S and time.monotonic() < end:
+            await asyncio.sleep(0.05)
 
     def _answer_all(self, status: int, message: str) -> None:
         """Answer everything queued (and, when broken, in flight) and unlink its segments."""

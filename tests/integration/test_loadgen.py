@@ -174,7 +174,7 @@ async def test_the_load_generator_stops_sending_when_the_server_goes_away(start_
     srv = start_server("--tp", "2")
     spec = LoadSpec(frontend=srv.addr, rate=1500, requests=45000, duration=30, drain_s=20, items=1,
                     item_bytes=[4096], transports=["shm"], seed=5)
-    asyncio.get_running_loop().call_later(2.0, srv.proc.send_signal, signal.SIGTERM)
+    asyncio.get_running_loop().call_later(1.0, srv.proc.send_signal, signal.SIGTERM)
     t0 = time.monotonic()
     report = await loadgen.run(spec)
     took = time.monotonic() - t0
