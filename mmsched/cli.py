@@ -87,11 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from .auth import check_frontend
 
     placed = _env_rank()
-    world = placed[1] if placed is not None else cfg.tp
     try:
-        for f in cfg.faults:
-            if f.rank >= world:
-                raise ConfigError(f"fault: {f} names rank {f.rank}; the group has ranks 0..{world - 1}")
         if placed is None or placed[0] == 0:  # only the leader binds the frontend and the admin port
             check_frontend(cfg)
             check_admin(cfg.admin)

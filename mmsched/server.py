@@ -54,8 +54,10 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         return 3
     if topology.remote_hosts:
         event("topology", hosts=topology.by_host(), remote_ranks=topology.remote_ranks)
-    if rank == 0 and cfg.fault:  # a drill must never pass for a real failure
-        event("faults_active", logging.WARNING, faults=",".join(cfg.fault), stall_s=cfg.stall_s)
+    if rank == 0 and cfg.fault:  # a drill must never pass for a real failure, nor a typo for a drill
+        idle = [str(f) for f in cfg.faults if f.rank >= world]
+        event("faults_active", logging.WARNING, faults=",".join(cfg.fault), stall_s=cfg.stall_s,
+              **({"never_fire": ",".join(idle)} if idle else {}))
     lane = Lane(cfg.collective_timeout)
     engine = ReferenceEngine(rank, world, seed=cfg.seed, stall_s=cfg.stall_s)
     runner = BatchRunner(group, engine, Faults(cfg.faults, rank), unlinks=(rank == 0),
