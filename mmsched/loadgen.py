@@ -246,9 +246,8 @@ def format_table(report: Report) -> str:
     lines.append(f"/dev/shm {report.spec['shm_prefix']}* segments: before {seg['before']}, after {seg['after']}; "
                  f"leaked by this run {len(seg['leaked'])}" + (f" {seg['leaked'][:5]}" if seg["leaked"] else ""))
     lines.extend(report.notes)
-    verdict = "OK" if report.ok else "FAIL: " + ", ".join(
-        x for x, bad in (("lost results", s["lost"]), ("leaked segments", seg["leaked"]), (report.error, report.error))
-        if bad)
+    problems = [x for x, bad in (("lost results", s["lost"]), ("leaked segments", seg["leaked"])) if bad]
+    verdict = "OK" if report.ok else "FAIL: " + ", ".join(problems + ([report.error] if report.error else []))
     lines.append(verdict)
     return "\n".join(lines)
 
@@ -316,9 +315,13 @@ def write_plot(report: Report, path: str) -> None:
         ax.scatter(t[~done], np.full(int((~done).sum()), np.nanmax(lat) if done.any() else 1.0),
                    marker="x", color="red", s=12, label=f"lost ({int((~done).sum())})")
     ax.set_yscale("log")
-    plain = FuncFormatter(lambda v, _pos: f"{v:g}")  # 6 ms, not 6×10^0
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
+    def minor(v: float, _pos) -> str:  # within one decade every tick, else the 2s and 5s
+        lo, hi = ax.get_ylim()
+        few = hi < 10 * max(lo, 1e-12)
+        return f"{v:g}" if v > 0 and (few or round(v / 10 ** math.floor(math.log10(v))) in (2, 5)) else ""
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))  # milliseconds plainly: 6, not 6×10^0
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
     ax.set_xlabel("send time (s since start)")
     ax.set_ylabel("latency (ms)")
     s = report.summary
