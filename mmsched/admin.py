@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 from .errors import ConfigError
 from .log import event
@@ -19,6 +20,19 @@ def parse_address(addr: str) -> tuple[str, int]:
     """``PORT`` or ``HOST:PORT``; the host defaults to 127.0.0.1."""
     host, _, port = addr.rpartition(":")
     return (host or "127.0.0.1"), int(port)
+
+
+def check_admin(address: str) -> None:
+    """Before anything starts: a port already taken stops start-up as a config error
+    (exit 2), instead of failing after the leader said ``serving``."""
+    if not address:
+        return
+    host, port = parse_address(address)
+    try:
+        with socket.create_server((host, port)):  # SO_REUSEADDR, as asyncio's own listener
+            pass
+    except OSError as exc:
+        raise ConfigError(f"admin: cannot listen on {host}:{port}: {exc.strerror}") from exc
 
 
 class AdminServer:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import stat
 
 import zmq
@@ -35,7 +36,9 @@ def is_local(address: str) -> bool:
 
 
 def check_frontend(cfg) -> None:
-    """Refuse a frontend reachable from other hosts without Curve, unless insecure is set."""
+    """Refuse a live or unusable ipc:// path, and a frontend reachable from other hosts
+    without Curve unless insecure is set. Run before a group starts: one clear line."""
+    claim_ipc(cfg.frontend)
     if is_local(cfg.frontend) or cfg.insecure:
         return
     if not cfg.curve_secret_key or not cfg.curve_clients_dir:
@@ -85,10 +88,54 @@ def _ipc_path(address: str) -> str | None:
     return None
 
 
-def remove_ipc(address: str) -> None:
-    """After the frontend closed: ZeroMQ leaves an ipc:// socket file behind; remove ours."""
+def claim_ipc(address: str) -> None:
+    """Before binding: ZeroMQ unlinks whatever lies at an ipc:// path and binds anew, which
+    silently takes the socket of a live server (and would remove a regular file). Refuse a
+    path a server still answers on, or that is not a socket; a stale socket is taken over."""
     path = _ipc_path(address)
-    if path and os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
+    if not path:
+        return
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        raise ConfigError(f"frontend: {address}: directory {parent} does not exist")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"frontend: {address}: {path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return  # stale: left by a server that was killed
+        except OSError:
+            pass  # a backlog that does not answer is still somebody's
+    raise ConfigError(f"frontend: {address} is in use by a running server; stop it or choose another path")
+
+
+def ipc_identity(address: str) -> tuple[int, int] | None:
+    """(device, inode) of the ipc:// socket file we bound, to tell it from a later one."""
+    path = _ipc_path(address)
+    try:
+        st = os.lstat(path) if path else None
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino) if st else None
+
+
+def ipc_lost(address: str, bound: tuple[int, int] | None) -> str | None:
+    """Why clients can no longer reach our ipc:// frontend (the file removed or replaced), or None."""
+    if bound is None or ipc_identity(address) == bound:
+        return None
+    return f"frontend gone: {_ipc_path(address)} was removed or replaced; clients cannot connect"
+
+
+def remove_ipc(address: str, bound: tuple[int, int] | None) -> None:
+    """After the frontend closed: ZeroMQ leaves an ipc:// socket file behind; remove it if it is ours."""
+    path = _ipc_path(address)
+    if path and bound is not None and ipc_identity(address) == bound:
         os.unlink(path)
 
 

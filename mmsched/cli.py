@@ -1,4 +1,4 @@
-"""The ``mmsched`` command: serve, config."""
+"""The ``mmsched`` command: serve, config, sweep, keygen, loadtest."""
 
 from __future__ import annotations
 
@@ -15,23 +15,30 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     for name, f in config_mod.FIELDS.items():
         flag = "--" + name.replace("_", "-")
         kind = type(f.default) if not isinstance(f.default, type(config_mod.dataclasses.MISSING)) else list
+        default = f.default_factory() if kind is list else f.default
+        choices = f.metadata["choices"]
+        help = (f"{f.metadata['help']}" + (f"; one of {', '.join(choices)}" if choices else "")
+                + f" (default: {config_mod._toml_value(default)}; env MMSCHED_{name.upper()})").replace("%", "%%")
         if name == "fault":
-            p.add_argument(flag, action="append", metavar="RANK:STAGE:RID_GLOB", help=f.metadata["help"])
+            p.add_argument(flag, action="append", metavar="RANK:STAGE:RID_GLOB", help=help)
         elif kind is bool:
-            p.add_argument(flag, action="store_const", const=True, default=None, help=f.metadata["help"])
+            p.add_argument(flag, action="store_const", const=True, default=None, help=help)
         else:
-            p.add_argument(flag, type=kind, metavar=name.upper(), help=f.metadata["help"],
-                           choices=f.metadata["choices"])
+            p.add_argument(flag, type=kind, metavar=name.upper(), help=help, choices=choices)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmsched", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mmsched", description="mmsched, a scheduler sidecar for multimodal "
+                                     "LLM serving: serve, config, sweep, keygen, loadtest. See README.md.")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the scheduler (tp ranks)")
+    serve = sub.add_parser("serve", help="run the scheduler (tp ranks)", description=(
+        "Run the scheduler. Every setting is a flag, an environment variable and a TOML key; "
+        "flags beat the environment, which beats --config FILE, which beats the defaults."))
     _add_config_flags(serve)
-    cfgp = sub.add_parser("config", help="print the effective configuration")
+    cfgp = sub.add_parser("config", help="check the configuration (file, environment, flags); --print shows it all")
     _add_config_flags(cfgp)
-    cfgp.add_argument("--print", action="store_true", dest="do_print", help="print it as TOML")
+    cfgp.add_argument("--print", action="store_true", dest="do_print",
+                      help="print the whole effective configuration as TOML (a valid config file)")
     kg = sub.add_parser("keygen", help="write a CurveZMQ key pair: NAME.key (public) and NAME.key_secret")
     kg.add_argument("--out", default=".", metavar="DIR", help="directory to write into")
     kg.add_argument("--name", default="mmsched", help="file name stem")
@@ -69,14 +76,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mmsched: config error: {exc}", file=sys.stderr)
         return 2
     if args.command == "config":
-        sys.stdout.write(cfg.to_toml())
+        if args.do_print:
+            sys.stdout.write(cfg.to_toml())
+        else:
+            changed = [k for k in config_mod.FIELDS if getattr(cfg, k) != getattr(config_mod.Config(), k)]
+            print(f"config ok; differs from the defaults in: {', '.join(changed) or 'nothing'} "
+                  "(mmsched config --print shows every setting)")
         return 0
+    from .admin import check_admin
     from .auth import check_frontend
 
     placed = _env_rank()
     try:
-        if placed is None or placed[0] == 0:  # only the leader binds the frontend
+        if placed is None or placed[0] == 0:  # only the leader binds the frontend and the admin port
             check_frontend(cfg)
+            check_admin(cfg.admin)
     except ConfigError as exc:
         print(f"mmsched: config error: {exc}", file=sys.stderr)
         return 2
@@ -106,7 +120,7 @@ def _sweep(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"mmsched: config error: {exc}", file=sys.stderr)
         return 2
-    log.setup(-1, cfg.log_format, cfg.log_level)
+    log.setup(-1, cfg.log_format, cfg.log_level, role="sweep")
     report = sweep(cfg.shm_prefix, cfg.sweep_grace, dry_run=args.dry_run)
     verb = "would reclaim" if args.dry_run else "reclaimed"
     for name in report.reclaimed:
@@ -133,11 +147,13 @@ def _add_loadtest_flags(p: argparse.ArgumentParser) -> None:
     loop = p.add_mutually_exclusive_group()
     loop.add_argument("--rate", type=float, metavar="R", help="open loop: R requests/s")
     loop.add_argument("--concurrency", type=int, metavar="C", help="closed loop: C in flight (default 16)")
-    p.add_argument("--requests", type=int, default=1000, metavar="N", help="send at most N requests (1000)")
-    p.add_argument("--duration", type=float, default=60.0, metavar="S", help="send for at most S seconds (60)")
+    p.add_argument("--requests", type=int, metavar="N",
+                   help="send at most N requests (default 1000; with --duration, no count limit)")
+    p.add_argument("--duration", type=float, metavar="S", help="send for at most S seconds (default 60)")
     p.add_argument("--drain", type=float, default=10.0, metavar="S",
                    help="then wait at most S seconds for outstanding results; the rest are lost (10)")
-    p.add_argument("--type", choices=("embed", "generate"), default="embed")
+    p.add_argument("--type", choices=("embed", "generate"), default="embed",
+                   help="request type: embed or generate (embed)")
     p.add_argument("--items", type=int, default=1, metavar="K", help="features per request (0: text only)")
     p.add_argument("--item-bytes", type=sizes, default=[64 << 10], metavar="SIZES",
                    help="feature size(s), comma-separated, e.g. 64K,1M (64K)")
@@ -172,18 +188,24 @@ def _loadtest(args: argparse.Namespace) -> int:
         return 2
     spec = loadgen.LoadSpec(
         frontend=args.frontend or cfg.frontend, rate=args.rate, concurrency=args.concurrency,
-        requests=args.requests, duration=args.duration, drain_s=args.drain, type=args.type, items=args.items,
+        requests=args.requests if args.requests is not None else (None if args.duration is not None else 1000),
+        duration=args.duration if args.duration is not None else 60.0, drain_s=args.drain, type=args.type, items=args.items,
         item_bytes=args.item_bytes, transports=args.transport, session_turns=args.session_turns,
         fail_rate=args.fail_rate, client_faults=args.client_faults, abort_rate=args.abort_rate, seed=args.seed,
         shm_prefix=cfg.shm_prefix, pool_bytes=int(args.pool_mb * (1 << 20)) if args.pool_mb else None,
         verify=args.verify, progress=not args.quiet and sys.stderr.isatty())
     try:
         spec.validate()
+        if args.plot and not loadgen.can_plot():
+            raise ValueError(loadgen.PLOT_NEEDS)
     except ValueError as exc:
         print(f"mmsched loadtest: {exc}", file=sys.stderr)
         return 2
     report = loadgen.run_sync(spec)
-    print(loadgen.format_table(report))
+    if report.summary["sent"]:
+        print(loadgen.format_table(report))
+    if report.error:
+        print(f"mmsched loadtest: {report.error}", file=sys.stderr)
     if args.json:
         loadgen.write_json(report, args.json)
     if args.plot:

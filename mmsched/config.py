@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -41,7 +42,8 @@ class Config:
     admin: str = _opt("", "admin HTTP endpoint for /health and /metrics: PORT or HOST:PORT (host 127.0.0.1); off when empty")
     tp: int = _opt(1, "number of ranks in the group", 1, 256)
     dist_init: str = _opt("", "torch.distributed init address for --tp N (default: a free 127.0.0.1 port)")
-    shm_prefix: str = _opt("mmsched_", "only segments with this prefix are opened or unlinked")
+    shm_prefix: str = _opt("mmsched_", "only segments with this prefix are opened or unlinked "
+                           "(4-64 of [A-Za-z0-9_.-], a letter first, ending in _ . or -)")
     max_batch: int = _opt(64, "most requests handled as one batch (one consensus)", 1, 65536)
     max_queue: int = _opt(4096, "most requests waiting at the leader; beyond it, 503", 1, 1 << 24)
     max_queued_items: int = _opt(8192, "most feature items of queued and running requests together (each may hold a descriptor at the leader); beyond it, 503", 1, 1 << 24)
@@ -145,6 +147,18 @@ def _coerce(name: str, value: Any, from_text: bool) -> Any:
     return value
 
 
+PREFIX_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{2,62}[_.\-]")
+
+
+def _check_prefix(prefix: str) -> None:
+    """The sweep unlinks what carries the prefix: an empty or short one would reach files
+    mmsched does not own (``libpod_lock``), ``sem.`` names POSIX semaphores, and a prefix
+    without a closing separator matches longer words (``mmsched`` takes ``mmschedule``)."""
+    if not PREFIX_RE.fullmatch(prefix) or prefix.startswith("sem."):
+        raise ConfigError(f"shm_prefix: {prefix!r} could match files mmsched does not own; use 4-64 characters "
+                          "of [A-Za-z0-9_.-] that start with a letter, end with _ . or -, and not sem.")
+
+
 def load(path: str | None = None, env: Mapping[str, str] | None = None,
          flags: Mapping[str, Any] | None = None) -> Config:
     """Merge the four layers; raises ConfigError naming the first bad key."""
@@ -184,6 +198,7 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None,
             raise ValueError
     except ValueError:
         raise ConfigError(f"ipc_mode: {cfg.ipc_mode!r} is not an octal file mode like 660") from None
+    _check_prefix(cfg.shm_prefix)
     if cfg.tp > 1 and cfg.collective_timeout < 1:
         raise ConfigError("collective_timeout: must be >= 1 s when tp > 1")
     return cfg

@@ -36,6 +36,11 @@ unlinks: ~50 µs of fixed cost per feature here, besides the copy); ``inline`` f
 features or a client on another host (the bytes ride in the message; at tp > 1 they are
 broadcast to every rank with the batch); ``cuda_ipc`` for features already on a GPU.
 
+When the server goes away (a 503 ``service unavailable: …``: draining, stopped, group
+broken; or no pong for ``GONE_S``), the generator stops sending at once: requests sent
+into a socket nobody reads would be lost results and segments nobody unlinks. With no
+pong at the start it sends nothing and says so.
+
 Segments: the prefixed segments in /dev/shm are listed before and after. Segments this
 process created (``<prefix><pid>_…``) and that are still there at the end are a leak;
 the generator's own pools are removed before the count.
@@ -68,6 +73,7 @@ CLIENT_FAULTS = ("missing", "too_small", "bad_name")
 EXPECTED = {"": (200,), "fail": (500,), "missing": (500,), "too_small": (500,), "bad_name": (400,),
             "abort": (499, 200)}
 LOST = 0  # the status recorded for a request whose result never came
+GONE_S = 4.0  # no pong for this long while running: the server is gone
 _RUNS = itertools.count()
 
 
@@ -78,7 +84,7 @@ class LoadSpec:
     frontend: str = "ipc:///tmp/mmsched.sock"
     rate: float | None = None           # open loop: requests per second
     concurrency: int | None = None      # closed loop: requests in flight (default 16 without rate)
-    requests: int = 1000                # at most this many requests are sent ...
+    requests: int | None = 1000         # at most this many requests are sent (None: no count) ...
     duration: float = 60.0              # ... and only for this many seconds
     drain_s: float = 10.0               # then results are awaited this long; the rest are lost
     type: str = "embed"
@@ -105,7 +111,7 @@ class LoadSpec:
             raise ValueError("rate must be > 0")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
-        if self.requests < 1 or not self.duration > 0 or self.drain_s < 0:
+        if self.requests is not None and self.requests < 1 or not self.duration > 0 or self.drain_s < 0:
             raise ValueError("requests >= 1, duration > 0 and drain >= 0 are required")
         if self.type not in ("embed", "generate"):
             raise ValueError("type must be embed or generate")
@@ -218,14 +224,17 @@ class Report:
     records: Records
     segments: dict            # before/after counts, leaked names
     notes: list[str] = field(default_factory=list)
+    error: str | None = None  # why the run stopped early (no server, the server went away)
 
     @property
     def ok(self) -> bool:
-        return self.summary["lost"] == 0 and not self.segments["leaked"] and not self.summary["mismatched"]
+        return (self.summary["lost"] == 0 and not self.segments["leaked"] and not self.summary["mismatched"]
+                and self.error is None)
 
     def to_json(self) -> dict:
         """The summary and the raw rows, kept apart."""
         return {"spec": self.spec, "summary": self.summary, "segments": self.segments, "notes": self.notes,
+                "error": self.error,
                 "raw": {"columns": list(Records.COLUMNS), "rows": self.records.rows()}}
 
 
@@ -248,9 +257,9 @@ def format_table(report: Report) -> str:
         lines.append(f"digests: {s['verified']} results carried exactly the bytes sent, "
                      f"{s['mismatched']} carried other bytes")
     lines.extend(report.notes)
-    verdict = "OK" if report.ok else "FAIL: " + ", ".join(
-        x for x, bad in (("lost results", s["lost"]), ("leaked segments", seg["leaked"]),
-                         ("200s with bytes that were not sent", s["mismatched"])) if bad)
+    problems = [x for x, bad in (("lost results", s["lost"]), ("leaked segments", seg["leaked"]),
+                                 ("200s with bytes that were not sent", s["mismatched"])) if bad]
+    verdict = "OK" if report.ok else "FAIL: " + ", ".join(problems + ([report.error] if report.error else []))
     lines.append(verdict)
     return "\n".join(lines)
 
@@ -273,6 +282,16 @@ def _finite(x):
     return x
 
 
+PLOT_NEEDS = "--plot needs matplotlib: pip install 'mmsched[plot]' (or .venv/bin/pip install matplotlib)"
+
+
+def can_plot() -> bool:
+    """Checked before a run, so a missing matplotlib does not cost the whole run."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def write_plot(report: Report, path: str) -> None:
     """A PNG: each result's latency against its send time, by status, with p50/p99 per time bin."""
     try:
@@ -280,8 +299,9 @@ def write_plot(report: Report, path: str) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter
     except ImportError as exc:
-        raise RuntimeError("--plot needs matplotlib: pip install 'mmsched[plot]'") from exc
+        raise RuntimeError(PLOT_NEEDS) from exc
     rec = report.records
     status = np.asarray(rec.status)
     t = np.asarray(rec.t_send)
@@ -307,6 +327,13 @@ def write_plot(report: Report, path: str) -> None:
         ax.scatter(t[~done], np.full(int((~done).sum()), np.nanmax(lat) if done.any() else 1.0),
                    marker="x", color="red", s=12, label=f"lost ({int((~done).sum())})")
     ax.set_yscale("log")
+    def minor(v: float, _pos) -> str:  # within one decade every tick, else the 2s and 5s
+        lo, hi = ax.get_ylim()
+        few = hi < 10 * max(lo, 1e-12)
+        return f"{v:g}" if v > 0 and (few or round(v / 10 ** math.floor(math.log10(v))) in (2, 5)) else ""
+
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))  # milliseconds plainly: 6, not 6×10^0
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
     ax.set_xlabel("send time (s since start)")
     ax.set_ylabel("latency (ms)")
     s = report.summary
@@ -366,6 +393,23 @@ class _Run:
         self.counter = 0
         self.tasks: set[asyncio.Task] = set()  # aborts in flight (the loop keeps only weak references)
         self.errors: list[str] = []
+        self.stopped_by: str | None = None  # why sending stopped before its count and duration
+
+    async def watch(self, every_s: float = 1.0) -> None:
+        """Ping while the run lasts: no pong for GONE_S means nobody reads what we send."""
+        last = time.perf_counter()
+        while not self.all_done.is_set():
+            try:
+                await self.client.ping(timeout=every_s)
+                last = time.perf_counter()
+            except asyncio.TimeoutError:
+                if time.perf_counter() - last >= GONE_S:
+                    self.stopped_by = self.stopped_by or f"no pong from {self.spec.frontend} for {GONE_S:g} s: the server is gone"
+                    self.stop_sending()
+                    self.all_done.set()  # nobody will answer what is outstanding
+                    return
+                continue
+            await asyncio.sleep(every_s)
 
     # -- what one request is (one seeded draw per request, in send order)
     def _draw(self) -> tuple[str, str, list[int], int]:
@@ -414,7 +458,7 @@ class _Run:
         if not self.sending:
             return False
         now = time.perf_counter()
-        if len(self.rec) >= self.spec.requests or now >= self.send_until:
+        if len(self.rec) >= (self.spec.requests or math.inf) or now >= self.send_until:
             self.stop_sending()
             return False
         transport, fault, sizes, ids_k = self._draw()
@@ -482,6 +526,9 @@ class _Run:
             if not ok:
                 self.errors.append(f"{res.rid}: 200 whose digests are not those of the bytes sent")
         self.outstanding -= 1
+        if res.status == 503 and res.message.startswith("service unavailable") and self.sending:
+            self.stopped_by = self.stopped_by or f"the server is going away ({res.message}): stopped sending"
+            self.stop_sending()
         try:
             if sess is not None:
                 self._next_turn(sess, res.status, self.rec.transport[row] != "ref")
@@ -542,7 +589,7 @@ class _Run:
         while self.sending:
             due = self.t0 + i / rate
             now = time.perf_counter()
-            if now >= self.send_until or i >= self.spec.requests:
+            if now >= self.send_until or i >= (self.spec.requests or math.inf):
                 break
             if due > now:
                 await asyncio.sleep(due - now)
@@ -574,15 +621,17 @@ async def run(spec: LoadSpec, client: Client | None = None) -> Report:
     shm_pool = ipc_pool = None
     own = client is None
     client = client or Client(spec.frontend, shm_prefix=spec.shm_prefix)
+    r = _Run(spec, client, random.Random(spec.seed))
+    elapsed = 0.0
     try:
         if own:
             await client.__aenter__()
-        ranks = 1
+        wait_s = min(2.0, max(0.5, spec.drain_s))
         try:
-            pong = await client.ping(timeout=min(2.0, max(0.5, spec.drain_s)))
-            ranks = int(pong.get("ranks", 1))
+            ranks = int((await client.ping(timeout=wait_s)).get("ranks", 1))
         except asyncio.TimeoutError:
-            notes.append(f"note: no pong from {spec.frontend} (is the server up?)")
+            r.stopped_by = f"no pong from {spec.frontend} within {wait_s:g} s: is the server up? (make serve)"
+            return _report(spec, r, elapsed, before, notes)
         biggest = max(spec.item_bytes) if spec.items else 0
         if "pooled" in spec.transports and spec.items:
             from .transport.shm_pool import ShmPool
@@ -595,8 +644,8 @@ async def run(spec: LoadSpec, client: Client | None = None) -> Report:
             device = CudaDevice() if torch.cuda.is_available() else ShmDevice()
             slots = min(4096, 2 * spec.in_flight * spec.items)
             ipc_pool = client.ipc_pool = IpcPool(device, slots, biggest, max(ranks, 1), spec.shm_prefix)
-        r = _Run(spec, client, random.Random(spec.seed))
         progress = asyncio.ensure_future(_progress(r)) if spec.progress else None
+        watch = asyncio.ensure_future(r.watch())
         r.t0 = time.perf_counter()
         r.send_until = r.t0 + spec.duration
         try:
@@ -610,6 +659,8 @@ async def run(spec: LoadSpec, client: Client | None = None) -> Report:
             last = np.nanmax(np.asarray(r.rec.t_recv)) if len(r.rec) and r.outstanding < len(r.rec) else None
             elapsed = float(last) if last is not None else sent_at - r.t0
         finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
             if progress is not None:
                 progress.cancel()
                 await asyncio.gather(progress, return_exceptions=True)
@@ -633,16 +684,20 @@ async def run(spec: LoadSpec, client: Client | None = None) -> Report:
         if ipc_pool is not None:
             ipc_pool.close()
         logging.getLogger("mmsched.client").removeFilter(fallbacks)
-    if fallbacks.count:
-        notes.append(f"note: {fallbacks.count} feature(s) fell back from their pool to a fresh segment "
-                     "(pool full: raise --pool-mb)")
+        if fallbacks.count:
+            notes.append(f"note: {fallbacks.count} feature(s) fell back from their pool to a fresh segment "
+                         "(pool full: raise --pool-mb)")
+    return _report(spec, r, elapsed, before, notes)
+
+
+def _report(spec: LoadSpec, r: "_Run", elapsed: float, before: set[str], notes: list[str]) -> Report:
     leaked = _leaked(before, spec.shm_prefix)
     after = list_segments(spec.shm_prefix)
     segments = {"before": len(before), "after": len(after), "leaked": leaked,
                 "others_appeared": len(after - before) - len(leaked)}
     spec_d = asdict(spec)
     spec_d["transports"] = list(spec.transports)
-    return Report(spec_d, summarize(r.rec, elapsed), r.rec, segments, notes)
+    return Report(spec_d, summarize(r.rec, elapsed), r.rec, segments, notes, error=r.stopped_by)
 
 
 def run_sync(spec: LoadSpec) -> Report:
@@ -688,10 +743,10 @@ async def _progress(r: _Run) -> None:
     while True:
         await asyncio.sleep(0.2)
         el = time.perf_counter() - r.t0
-        frac = min(1.0, max(len(r.rec) / spec.requests, el / spec.duration))
+        frac = min(1.0, max(len(r.rec) / (spec.requests or math.inf), el / spec.duration))
         done = len(r.rec) - r.outstanding
         bar = "#" * int(frac * 30)
-        line = (f"[{bar:<30}] sent {len(r.rec)}/{spec.requests} done {done} in flight {r.outstanding} "
+        line = (f"[{bar:<30}] sent {len(r.rec)}{f'/{spec.requests}' if spec.requests else ''} done {done} in flight {r.outstanding} "
                 f"{done / el if el else 0:.0f} req/s {el:.1f}s")
         sys.stderr.write("\r" + line + "\x1b[K")
         sys.stderr.flush()

@@ -18,15 +18,15 @@ def event(name: str, level: int = logging.INFO, **fields) -> None:
 
 
 class _TextFormatter(logging.Formatter):
-    def __init__(self, rank: int):
+    def __init__(self, tag: str):
         super().__init__()
-        self.rank = rank
+        self.tag = tag
 
     def format(self, record: logging.LogRecord) -> str:
         fields = getattr(record, "fields", {})
         kv = " ".join(f"{k}={_text(v)}" for k, v in fields.items())
         ts = time.strftime("%H:%M:%S", time.localtime(record.created))
-        line = f"{ts} {record.levelname[0]} [rank{self.rank}] {record.getMessage()}"
+        line = f"{ts} {record.levelname[0]} [{self.tag}] {record.getMessage()}"
         line = f"{line} {kv}" if kv else line
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
@@ -52,9 +52,10 @@ def _text(v) -> str:
     return json.dumps(s) if (" " in s or not s) else s
 
 
-def setup(rank: int, fmt: str = "text", level: str = "info") -> None:
+def setup(rank: int, fmt: str = "text", level: str = "info", role: str | None = None) -> None:
+    """``role`` names a process that is no rank (``launcher``, ``sweep``; JSON keeps rank -1)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter(rank) if fmt == "json" else _TextFormatter(rank))
+    handler.setFormatter(_JsonFormatter(rank) if fmt == "json" else _TextFormatter(role or f"rank{rank}"))
     logger.handlers[:] = [handler]
     logger.setLevel(level.upper())
     logger.propagate = False

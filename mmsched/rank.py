@@ -20,7 +20,7 @@ from .batch import Batch, BatchRunner
 from .config import Config
 from .errors import BadRequest, ConfigError, GroupBroken, describe
 from .admin import AdminServer
-from .auth import remove_ipc, restrict_ipc, secure_frontend
+from .auth import claim_ipc, ipc_identity, ipc_lost, remove_ipc, restrict_ipc, secure_frontend
 from .lane import Lane
 from .log import event
 from .metrics import Metrics
@@ -98,7 +98,9 @@ class Leader:
         self._arrived = 0  # requests received so far (their seq)
         self._idle_checked = time.monotonic()
         self._drain_deadline: float | None = None
+        self._heard_at = 0.0  # when a client last sent something (the stop waits for quiet)
         runner.is_aborted = lambda req: self.aborting.get(req.key) is req  # that request, not its rid
+        claim_ipc(cfg.frontend)  # again: another server may have bound it since the CLI checked
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
@@ -116,6 +118,7 @@ class Leader:
             self.sock.close(linger=0)
             raise ConfigError(f"frontend: cannot bind {cfg.frontend}: {exc}") from exc
         restrict_ipc(cfg.frontend, int(cfg.ipc_mode, 8))
+        self._bound = ipc_identity(cfg.frontend)  # /health and the stop check the file is still ours
         self._raw = zmq.Socket.shadow(self.sock.underlying)  # sync view for NOBLOCK drains and sends
 
     # ------------------------------------------------------------ client I/O
@@ -147,6 +150,7 @@ class Leader:
         """Wait for a message, then drain without blocking: receiving in batches is ~7x faster."""
         while True:
             await self.sock.poll(flags=zmq.POLLIN)
+            self._heard_at = time.monotonic()
             for _ in range(max(self.cfg.max_batch, 64)):
                 try:
                     frames = self._raw.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -274,6 +278,9 @@ class Leader:
             return False, self.broken_reason or f"rank group broken: {self.lane.broken}"
         if self.state is not State.SERVING:
             return False, self.state.value
+        lost = ipc_lost(self.cfg.frontend, self._bound)
+        if lost:
+            return False, lost
         stuck = self.lane.stuck_for()
         if stuck > self.cfg.collective_timeout:
             return False, f"lane stuck: a collective has run {stuck:.1f}s (deadline {self.cfg.collective_timeout:g}s)"
@@ -391,6 +398,8 @@ class Leader:
     async def _stopped(self) -> int:
         if not self._now.is_set():
             await self._stop_followers()
+        if not self._now.is_set():
+            await self._until_quiet()
         self._answer_all(UNAVAILABLE, "service unavailable: shut down before this request ran")
         self._ack_closes()
         self.state = State.STOPPED
@@ -416,7 +425,7 @@ class Leader:
             await asyncio.gather(*tasks, return_exceptions=True)
             self._answer_unread()
             self.sock.close(linger=1000)
-            remove_ipc(self.cfg.frontend)
+            remove_ipc(self.cfg.frontend, self._bound)
             if self._auth is not None:
                 self._auth.stop()
             self.ctx.term()
@@ -460,6 +469,16 @@ class Leader:
                 await self.lane.run(self.runner.group.broadcast, stop.encode())
             except GroupBroken as exc:
                 event("stop_broadcast_failed", logging.WARNING, reason=str(exc))
+
+    QUIET_S, QUIET_LIMIT_S = 0.2, 2.0
+
+    async def _until_quiet(self) -> None:
+        """Before the socket closes: go on answering 503 while clients still send (at most
+        QUIET_LIMIT_S), so what a sender faster than the drain has in flight gets an answer and
+        its segments unlinked, instead of dying unread with the socket. Clients stop at a 503."""
+        end = time.monotonic() + self.QUIET_LIMIT_S
+        while time.monotonic() - self._heard_at < self.QUIET_S and time.monotonic() < end:
+            await asyncio.sleep(0.05)
 
     def _answer_all(self, status: int, message: str) -> None:
         """Answer everything still queued (in-flight work: ``_answer_inflight``) and unlink its segments."""

@@ -60,6 +60,10 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         return 3
     if topology.remote_hosts:
         event("topology", hosts=topology.by_host(), remote_ranks=topology.remote_ranks)
+    if rank == 0 and cfg.fault:  # a drill must never pass for a real failure, nor a typo for a drill
+        idle = [str(f) for f in cfg.faults if f.rank >= world]
+        event("faults_active", logging.WARNING, faults=",".join(cfg.fault), stall_s=cfg.stall_s,
+              **({"never_fire": ",".join(idle)} if idle else {}))
     lane = Lane(cfg.collective_timeout)
     engine = ReferenceEngine(rank, world, seed=cfg.seed, stall_s=cfg.stall_s)
     runner = BatchRunner(group, engine, Faults(cfg.faults, rank), unlinks=(rank == 0),
@@ -135,7 +139,7 @@ def _free_port() -> int:
 
 def launch_group(cfg: Config, argv: list[str]) -> int:
     """Start cfg.tp rank processes of ``mmsched <argv>`` on this host and supervise them."""
-    log.setup(-1, cfg.log_format, cfg.log_level)
+    log.setup(-1, cfg.log_format, cfg.log_level, role="launcher")
     if cfg.dist_init:
         hostport = cfg.dist_init.split("://", 1)[-1]
         host, _, port = hostport.rpartition(":")

@@ -2,7 +2,8 @@
 
 Holders keep a shared flock (clients until they send, the leader from admission until
 the request is answered, every rank while it reads), so a segment that anybody still
-uses is never taken: age alone never deletes. The check and the unlink happen while
+uses is never taken: age alone never deletes. Only this user's regular files are taken, and
+config.py refuses a prefix short or loose enough to reach files mmsched does not own. The check and the unlink happen while
 the sweep holds an exclusive lock, so a holder cannot slip in between.
 """
 
@@ -26,15 +27,16 @@ class SweepReport:
     locked: list[str] = field(default_factory=list)
     young: list[str] = field(default_factory=list)
     in_flight: list[str] = field(default_factory=list)
+    dry_run: bool = False
 
     def __str__(self) -> str:
-        return (f"reclaimed={len(self.reclaimed)} locked={len(self.locked)} "
+        return (f"{'would_reclaim' if self.dry_run else 'reclaimed'}={len(self.reclaimed)} locked={len(self.locked)} "
                 f"young={len(self.young)} in_flight={len(self.in_flight)}")
 
 
 def sweep(prefix: str, grace_s: float, in_flight: frozenset[str] | set[str] = frozenset(),
           dry_run: bool = False) -> SweepReport:
-    report = SweepReport()
+    report = SweepReport(dry_run=dry_run)
     try:
         names = sorted(os.listdir(SHM_DIR))
     except OSError as exc:
@@ -57,8 +59,8 @@ def sweep(prefix: str, grace_s: float, in_flight: frozenset[str] | set[str] = fr
                 report.locked.append(name)
                 continue
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                continue  # a directory or FIFO with the prefix is nobody's segment: never ours to take
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue  # a directory, a FIFO or another user's file is never ours to take
             if time.time() - st.st_mtime < grace_s:
                 report.young.append(name)
                 continue

@@ -5,6 +5,7 @@ Small runs (a few hundred requests); speed is never asserted.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import urllib.request
 import uuid
+
+import pytest
 
 from mmsched import loadgen
 from mmsched.loadgen import LoadSpec
@@ -108,20 +111,23 @@ async def test_lost_results_when_the_server_is_killed_midway(start_server):
     assert report.segments["leaked"] == []  # pooled: the client's own pool, removed at the end
 
 
-def test_cli_exits_nonzero_on_lost_results(tmp_path):
-    """A frontend with no server: every result is lost, exit code 1, the JSON report says so."""
+def test_cli_with_no_server_fails_fast_and_says_so(tmp_path):
+    """A frontend with no server: no pong within the first seconds, so nothing is sent and the
+    command says why at once (it used to send for the whole run and print a send rate)."""
+    import time
+
     out = tmp_path / "report.json"
     addr = f"ipc:///tmp/mmsched-test-nobody-{uuid.uuid4().hex[:8]}.sock"
+    t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "mmsched", "loadtest", "--frontend", addr, "--concurrency", "4",
-         "--requests", "50", "--duration", "0.5", "--drain", "0.5", "--json", str(out)],
+        [sys.executable, "-m", "mmsched", "loadtest", "--frontend", addr, "--json", str(out)],
         capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "FAIL: lost results" in proc.stdout
+    assert f"mmsched loadtest: no pong from {addr} within 2 s: is the server up?" in proc.stderr, proc.stderr
+    assert proc.stdout == "" and took < 20, (proc.stdout, took)
     doc = json.loads(out.read_text())
-    assert doc["summary"]["lost"] == doc["summary"]["sent"] == 4
-    status = doc["raw"]["columns"].index("status")
-    assert [r[status] for r in doc["raw"]["rows"]] == [0, 0, 0, 0]
+    assert doc["summary"]["sent"] == 0 and doc["error"].startswith("no pong")
 
 
 def test_cli_table_json_and_plot(shared_server, tmp_path):
@@ -188,3 +194,50 @@ def test_make_loadtest_target_uses_the_serve_config():
     load = re.search(r"^loadtest:.*\n\t(.*)$", make, re.M).group(1)
     cfg = re.search(r"--config (\S+)", serve)
     assert cfg and f"--config {cfg.group(1)}" in load and "mmsched loadtest" in load
+
+
+async def test_the_load_generator_stops_sending_when_the_server_goes_away(start_server):
+    """Issue 17 item 3: SIGTERM to a tp=2 server under --rate 1500; the generator kept sending
+    into the gone socket (thousands of lost results, as many segments nobody unlinked).
+    Once the server says it is draining it must stop, and end soon after the server is gone."""
+    import asyncio
+    import time
+
+    srv = start_server("--tp", "2")
+    spec = LoadSpec(frontend=srv.addr, rate=1500, requests=45000, duration=30, drain_s=20, items=1,
+                    item_bytes=[4096], transports=["shm"], seed=5)
+    asyncio.get_running_loop().call_later(1.0, srv.proc.send_signal, signal.SIGTERM)
+    t0 = time.monotonic()
+    report = await loadgen.run(spec)
+    took = time.monotonic() - t0
+    assert await asyncio.get_running_loop().run_in_executor(None, srv.proc.wait, 60) == 0
+    s = report.summary
+    figures = (s["sent"], s["lost"], len(report.segments["leaked"]), round(took, 1), getattr(report, "error", None))
+    assert s["sent"] < 1500 * 10, figures                # it stopped, not after 30 s
+    assert s["lost"] <= 50 and len(report.segments["leaked"]) <= 50, figures
+    assert took < 20, figures
+    assert "going away" in (report.error or ""), figures
+    assert not report.ok
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed here")
+def test_plot_without_matplotlib_fails_before_the_run(tmp_path):
+    """Issue 17 item 5: ``--plot`` without matplotlib used to fail only after the whole run."""
+    addr = f"ipc:///tmp/mmsched-test-nobody-{uuid.uuid4().hex[:8]}.sock"
+    proc = subprocess.run([sys.executable, "-m", "mmsched", "loadtest", "--frontend", addr, "--plot",
+                           str(tmp_path / "p.png")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "mmsched loadtest: --plot needs matplotlib: pip install 'mmsched[plot]' " \
+        "(or .venv/bin/pip install matplotlib)", proc.stderr
+
+
+def test_a_duration_is_not_cut_short_by_the_default_request_count(shared_server, tmp_path):
+    """Issue 17 item 4: ``--rate 2000 --duration 10`` (the README's example) stopped after the
+    default 1000 requests, in 0.5 s. Here: 250/s for 6 s must send about 1500, not 1000."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "mmsched", "loadtest", "--frontend", shared_server.addr,
+                           "--rate", "250", "--duration", "6", "--items", "0", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sent = json.loads(out.read_text())["summary"]["sent"]
+    assert 1400 <= sent <= 1500, sent

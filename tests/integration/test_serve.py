@@ -155,3 +155,107 @@ def test_make_serve(tmp_path):
         log.close()
         if os.path.exists(sock):
             os.unlink(sock)
+
+
+# ---------------------------------------------------------------- one ipc:// path, one server
+
+def _serve(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([MMSCHED, "serve", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=clean_env(), start_new_session=True)
+
+
+def test_a_second_server_on_a_live_socket_is_refused_and_the_first_keeps_its_clients(start_server):
+    """Issue 17 item 2: a second ``serve`` on the same ipc:// path took the socket from the first
+    (and removed the file when it stopped), while the first still said "serving"."""
+    from .test_operations import free_port, http_get
+
+    port = free_port()
+    first = start_server("--admin", str(port))
+    second = _serve("--frontend", first.addr)
+    try:
+        _, err = second.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(second.pid, signal.SIGTERM)  # the second stops as a user would stop it
+        _, err = second.communicate(timeout=30)
+        raise AssertionError(f"a second server started on {first.addr}:\n{err[-2000:]}") from None
+    finally:
+        assert sync_ping(first.addr, 10) is not None, "the first server's clients can no longer reach it"
+        status, body = http_get(port, "/health")
+        assert (status, body.split(" ", 1)[0]) == (200, "serving"), (status, body)
+    assert second.returncode == 2 and "config error: frontend:" in err and "in use" in err, err[-2000:]
+    assert "Traceback" not in err
+
+
+def test_health_says_the_frontend_is_gone_when_its_socket_file_is(start_server):
+    """Once nobody can connect (the socket file removed), /health must not say serving."""
+    from .test_operations import free_port, http_get
+
+    port = free_port()
+    srv = start_server("--admin", str(port))
+    assert http_get(port, "/health")[0] == 200
+    os.unlink(srv.addr[len("ipc://"):])
+    status, body = http_get(port, "/health")
+    assert status == 503 and body.startswith("frontend gone:"), (status, body)
+
+
+def test_a_stale_socket_file_is_taken_over(tmp_path):
+    """What a killed server left behind (a socket file nobody listens on) is no obstacle."""
+    import socket as sk
+
+    path = tmp_path / "stale.sock"
+    with sk.socket(sk.AF_UNIX, sk.SOCK_STREAM) as s:
+        s.bind(str(path))  # closed without unlink: the file stays, nobody listens
+    proc = _serve("--frontend", f"ipc://{path}")
+    try:
+        deadline = time.monotonic() + 60
+        while (pong := sync_ping(f"ipc://{path}", 0.5)) is None and proc.poll() is None:
+            assert time.monotonic() < deadline, "no pong from the server on the stale path"
+        assert pong is not None, "the server exited on a stale socket file"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err[-2000:]
+        assert not path.exists(), "the server removes its own socket file when it stops"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+# ---------------------------------------------------------------- start-up errors: one line, nothing bound
+
+def test_start_up_errors_are_one_line_and_nothing_is_bound(tmp_path):
+    """Issue 17 items 7 and 12: a taken admin port used to log ``serving`` and then exit 2; a
+    tp=2 config whose socket directory is missing made the follower log gloo's
+    ``group_broken`` text."""
+    import socket as sk
+
+    sock = tmp_path / "never.sock"
+    tp2 = tmp_path / "tp2.toml"
+    tp2.write_text(f'tp = 2\nfrontend = "ipc://{tmp_path}/missing/mmsched.sock"\n')
+    with sk.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        runs = {
+            "admin": _serve("--frontend", f"ipc://{sock}", "--admin", str(port)),
+            "frontend": _serve("--config", str(tp2)),
+        }
+        try:
+            errs = {key: p.communicate(timeout=60)[1] for key, p in runs.items()}
+        finally:
+            for p in runs.values():
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.communicate()
+    for key, p in runs.items():
+        assert p.returncode == 2, (key, p.returncode, errs[key][-2000:])
+        lines = errs[key].strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"mmsched: config error: {key}:"), (key, errs[key][-2000:])
+    assert "does not exist" in errs["frontend"], errs
+    assert not sock.exists()
+
+
+def test_a_server_with_drills_says_so_at_start_up(start_server):
+    """Item 12: ``--fault 5:open:x`` on a one-rank server was accepted without a word."""
+    srv = start_server("--fault", "0:open:zz-*", "--fault", "5:open:x-*")
+    assert "faults_active faults=0:open:zz-*,5:open:x-* stall_s=3.0 never_fire=5:open:x-*" in srv.logs(), srv.logs()

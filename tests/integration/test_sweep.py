@@ -129,6 +129,7 @@ def test_sweep_reclaims_what_a_killed_client_left_behind(prefix, sweep_cli):
         age(n, 0)  # just written, as far as the sweep can tell
     out = sweep_cli("--shm-prefix", prefix, "--grace", "0", "--dry-run")
     assert sorted(re.findall(r"^would reclaim (\S+)$", out, re.M)) == sorted(names), out
+    assert "sweep would_reclaim=3 locked=0" in out, out  # a dry run reclaims nothing
     assert all(exists(n) for n in names), "a dry run unlinks nothing"
     out = sweep_subprocess("--shm-prefix", prefix, "--grace", "0")
     assert sorted(re.findall(r"^reclaimed (\S+)$", out, re.M)) == sorted(names), out
@@ -220,3 +221,44 @@ def test_serve_reclaims_an_old_orphan_at_start_up(prefix, tmp_path):
     finally:
         held.discard()
         srv.kill_all()
+
+
+# ---------------------------------------------------------------- a prefix must not reach other files
+
+@pytest.mark.parametrize("loose", ["", "m", "mm_", "sem.", "mmsched"])
+def test_a_prefix_that_could_reach_files_mmsched_does_not_own_is_refused(loose, tmp_path):
+    """Issue 17 item 1: ``--shm-prefix ""`` listed (and at start-up unlinked) any old file in
+    /dev/shm. The sweep CLI (dry run: nothing is removed even where the check is missing)
+    and serve (a grace no file reaches) must refuse it with exit 2 naming shm_prefix."""
+    decoy = plain_file(f"{loose or 'x'}decoy{uuid.uuid4().hex[:8]}")  # like libpod_lock: not ours
+    age(decoy, HOUR)
+    try:
+        out = subprocess.run([sys.executable, "-m", "mmsched", "sweep", "--shm-prefix", loose, "--grace", "0",
+                              "--dry-run"], capture_output=True, text=True, env=clean_env(), timeout=60)
+        assert decoy not in out.stdout, out.stdout
+        assert out.returncode == 2 and "config error: shm_prefix:" in out.stderr, (out.returncode, out.stderr)
+        sock = tmp_path / "never.sock"
+        proc = subprocess.Popen([sys.executable, "-m", "mmsched", "serve", "--frontend", f"ipc://{sock}",
+                                 "--shm-prefix", loose, "--sweep-grace", "1e9"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=clean_env(), start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+        assert proc.returncode == 2 and "config error: shm_prefix:" in err, (proc.returncode, err[-2000:])
+        assert not sock.exists() and exists(decoy)
+    finally:
+        os.unlink(path(decoy))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_another_users_file_with_the_prefix_is_never_taken(prefix, sweep_cli):
+    """A sweep run as root must not take another user's file, however old and unlocked."""
+    theirs, ours = plain_file(prefix + "theirs"), plain_file(prefix + "ours")
+    os.chown(path(theirs), 65534, 65534)
+    for n in (theirs, ours):
+        age(n, HOUR)
+    out = sweep_cli("--shm-prefix", prefix, "--grace", "0")
+    assert out.splitlines()[0] == f"reclaimed {ours}" and "sweep reclaimed=1 " in out, out
+    assert exists(theirs) and not exists(ours)

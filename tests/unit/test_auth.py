@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import types
 
 import pytest
 
-from mmsched.auth import check_frontend, is_local, keygen, restrict_ipc
+from mmsched.auth import check_frontend, claim_ipc, is_local, keygen, restrict_ipc
 from mmsched.errors import ConfigError
 
 
@@ -58,3 +59,25 @@ def test_restrict_ipc_sets_the_mode_and_leaves_others_alone(tmp_path):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o640
     restrict_ipc("ipc://@abstract-name", 0o660)  # an abstract socket has no file: nothing to do
     restrict_ipc("tcp://127.0.0.1:5555", 0o660)
+
+
+def test_claim_ipc_refuses_a_live_socket_or_a_file_and_takes_a_stale_socket(tmp_path):
+    """ZeroMQ unlinks whatever lies at an ipc:// path before it binds: a live server's socket
+    (issue 17 item 2) or a regular file (it used to delete one named as --frontend)."""
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    with pytest.raises(ConfigError, match=r"^frontend: .* exists and is not a socket"):
+        claim_ipc(f"ipc://{precious}")
+    assert precious.read_text() == "keep me"
+    with pytest.raises(ConfigError, match=r"^frontend: .*directory .*missing does not exist"):
+        claim_ipc(f"ipc://{tmp_path}/missing/s.sock")
+    live = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(live))
+        server.listen()
+        with pytest.raises(ConfigError, match=r"^frontend: .* is in use by a running server"):
+            claim_ipc(f"ipc://{live}")
+    claim_ipc(f"ipc://{live}")  # closed, file left behind: stale, taken over
+    claim_ipc(f"ipc://{tmp_path}/new.sock")
+    claim_ipc("ipc://@abstract-name")
+    claim_ipc("tcp://127.0.0.1:5555")

@@ -218,3 +218,24 @@ def test_every_setting_is_in_the_operations_doc_with_its_default():
         assert cells[1] == f"`MMSCHED_{key.upper()}`", cells
         assert cells[2] == f"`--{key.replace('_', '-')}`", cells
         assert cells[3] == f"`{config_mod._toml_value(getattr(defaults, key))}`", (key, cells[3])
+
+
+# ---------------------------------------------------------------- the help a new user reads
+
+def test_help_shows_defaults_environment_names_and_choices(capsys):
+    """Issue 17 item 11: ``serve --help`` showed none of them; ``config`` equalled ``config --print``."""
+    from mmsched import cli
+
+    serve_help = cli.build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    flat = " ".join(serve_help.split())
+    assert "(default: 64; env MMSCHED_MAX_BATCH)" in flat, serve_help
+    assert "one of text, json (default: \"text\"; env MMSCHED_LOG_FORMAT)" in flat, serve_help
+    top = cli.build_parser().format_help()
+    assert all(c in top for c in ("sweep", "keygen", "loadtest")), top
+    loadtest_help = cli.build_parser()._subparsers._group_actions[0].choices["loadtest"].format_help()
+    assert "request type" in loadtest_help
+    assert cli.main(["config", "--max-batch", "3"]) == 0
+    short = capsys.readouterr().out
+    assert cli.main(["config", "--print", "--max-batch", "3"]) == 0
+    full = capsys.readouterr().out
+    assert short != full and "max_batch" in short and len(short.splitlines()) == 1, short
