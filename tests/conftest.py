@@ -32,26 +32,44 @@ def _ppid(pid: int) -> int | None:
         return None
 
 
-def _foreign(name: str) -> bool:
-    """A segment whose creator (``<prefix><pid>_...``) is alive outside this test run.
-
-    Another run on the same machine (a developer's server, a second pytest) owns it:
-    neither flagged nor removed here. Segments of our own processes, dead ones included,
-    are ours to account for."""
-    head = name[len(PREFIX):].split("_", 1)[0]
-    if not head.isdigit():
-        return False
-    pid, me = int(head), os.getpid()
+def _outside_run(pid: int) -> bool:
+    """A live process that is neither this test run nor one of its descendants."""
+    if _ppid(pid) is None:
+        return False  # gone: what it left is ours to account for (a killed client, say)
+    me = os.getpid()
     for _ in range(64):  # walk up the parent chain
         if pid == me:
             return False
         parent = _ppid(pid)
-        if parent is None:
-            return pid != int(head)  # the creator itself is gone: ours (a killed client)
-        if parent <= 1:
+        if parent is None or parent <= 1:
             return True
         pid = parent
     return True
+
+
+def _lock_holders(name: str) -> set[int]:
+    """Pids holding a flock on the segment (/proc/locks), as every client of the contract does."""
+    try:
+        st = os.stat(os.path.join(SHM_DIR, name))
+        with open("/proc/locks") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return set()
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return {int(f[4]) for f in (line.split() for line in lines) if len(f) > 5 and f[1] == "FLOCK" and f[5] == want}
+
+
+def _foreign(name: str) -> bool:
+    """A segment another run on this machine (a developer's server or client, a second
+    pytest) owns: its creator (``<prefix><pid>_...``) or a process holding its lock is alive
+    outside this test run. Neither flagged nor removed here. Segments of our own processes,
+    dead ones included, are ours to account for."""
+    if any(_outside_run(pid) for pid in _lock_holders(name)):
+        return True
+    head = name[len(PREFIX):].split("_", 1)[0]
+    if not head.isdigit():
+        return False
+    return _outside_run(int(head))
 
 
 def _new_segments(before: set[str]) -> set[str]:
