@@ -288,20 +288,35 @@ def _vm_kib(pid: int, key: str) -> int:
         return int(next(line.split()[1] for line in fh if line.startswith(key + ":")))
 
 
-def _with_raw_params(header: dict, params: bytes) -> bytes:
-    """``header`` with a ``params`` entry whose value is these encoded bytes (no packing cost here)."""
+def _with_raw(header: dict, key: str, value: bytes) -> bytes:
+    """``header`` with one more entry whose value is these encoded bytes (no packing cost here)."""
     packed = msgpack.packb(header)
     assert 0x80 <= packed[0] < 0x8f, "a fixmap header"
-    return bytes([packed[0] + 1]) + packed[1:] + msgpack.packb("params") + params
+    return bytes([packed[0] + 1]) + packed[1:] + msgpack.packb(key) + value
 
 
+N_HOSTILE = 4_000_000
+HUGE_PARAMS = b"\x81" + msgpack.packb("x") + b"\xdd" + N_HOSTILE.to_bytes(4, "big") + b"\x80" * N_HOSTILE
+HOSTILE = {  # name: (frame 0, the 400's rid, its message)
+    # 4 MB of params holding 4 M empty maps: on main a 200 after the leader grew ~0.5 GiB and
+    # another client's ping waited seconds (a tp=2 group with a 3 s collective deadline broke)
+    "params": (_with_raw({"v": 1, "type": "embed", "rid": "huge", "input_ids": [1]}, "params", HUGE_PARAMS),
+               "huge", f"params: {len(HUGE_PARAMS)} bytes exceed max_params_bytes=65536"),
+    # 4 M nil items: the strict read refused them at once, but finding the segments a 400 hands
+    # over walked every one (0.5 s a million; 64 M broke a tp=2 group, found by outside testing)
+    "mm_items": (_with_raw({"v": 1, "type": "embed", "rid": "huge", "input_ids": [1]}, "mm_items",
+                           b"\xdd" + N_HOSTILE.to_bytes(4, "big") + b"\xc0" * N_HOSTILE),
+                 "huge", f"mm_items: {N_HOSTILE} items exceed max_items=64"),
+    # a header of 4 M one-letter keys (12 MB): 30 s to walk in the strict read, 27 s in the lenient one
+    "keys": (b"\xdf" + N_HOSTILE.to_bytes(4, "big") + b"\xa1a\x00" * N_HOSTILE,
+             None, f"header: a map of {N_HOSTILE} keys (at most 64)"),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(HOSTILE))
 @pytest.mark.parametrize("tp", [1, 2])
-def test_huge_params_are_refused_unread_and_the_loop_keeps_answering(tp, tmp_path):
-    """4 MB of params holding 4 M empty maps: on main a 200 after the leader grew ~0.5 GiB and
-    another client's ping waited seconds (a tp=2 group with a 3 s collective deadline broke)."""
-    n = 4_000_000
-    params = b"\x81" + msgpack.packb("x") + b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n
-    frame = _with_raw_params({"v": 1, "type": "embed", "rid": "huge-params", "input_ids": [1]}, params)
+def test_a_huge_header_is_refused_in_proportion_and_the_loop_keeps_answering(tp, shape, tmp_path):
+    frame, rid, message = HOSTILE[shape]
     with Server("--tp", str(tp), "--collective-timeout", "3", tmp_dir=str(tmp_path)) as srv:
         pids = srv.rank_pids() if tp > 1 else [srv.proc.pid]
         ctx = zmq.Context.instance()
@@ -316,15 +331,15 @@ def test_huge_params_are_refused_unread_and_the_loop_keeps_answering(tp, tmp_pat
             time.sleep(0.05)  # the big message is at the leader first
             t0 = time.monotonic()
             other.send(msgpack.packb({"v": 1, "type": "ping"}))
-            assert other.poll(30_000), "no pong"
+            assert other.poll(60_000), "no pong"
             ping_wait = time.monotonic() - t0
             assert msgpack.unpackb(other.recv())["type"] == "pong"
-            assert big.poll(30_000), "no reply to the big message"
+            assert big.poll(60_000), "no reply to the big message"
             r = msgpack.unpackb(big.recv(), raw=False)
             grown = [(_vm_kib(p, "VmHWM") - h) >> 10 for p, h in zip(pids, hwm)]
             figures = f"status={r['status']} ping_wait={ping_wait:.2f}s peak_rss_growth_mib={grown}"
-            assert (r["status"], r["rid"]) == (400, "huge-params"), figures
-            assert r["message"] == f"params: {len(params)} bytes exceed max_params_bytes=65536", figures
+            assert (r["status"], r["rid"]) == (400, rid), figures
+            assert r["message"] == message, figures
             assert ping_wait < 1.0 and max(grown) < 64, figures
             pong = sync_ping(srv.addr, 10)
             assert pong is not None and pong["healthy"], pong
