@@ -313,36 +313,43 @@ HOSTILE = {  # name: (frame 0, the 400's rid, its message)
 }
 
 
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def short_deadline(request, tmp_path_factory):
+    """A group whose collectives give up after 3 s: a loop blocked that long breaks it."""
+    with Server("--tp", str(request.param), "--collective-timeout", "3",
+                tmp_dir=str(tmp_path_factory.mktemp("huge"))) as srv:
+        yield srv, request.param
+
+
 @pytest.mark.parametrize("shape", sorted(HOSTILE))
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_huge_header_is_refused_in_proportion_and_the_loop_keeps_answering(tp, shape, tmp_path):
+def test_a_huge_header_is_refused_in_proportion_and_the_loop_keeps_answering(short_deadline, shape):
     frame, rid, message = HOSTILE[shape]
-    with Server("--tp", str(tp), "--collective-timeout", "3", tmp_dir=str(tmp_path)) as srv:
-        pids = srv.rank_pids() if tp > 1 else [srv.proc.pid]
-        ctx = zmq.Context.instance()
-        big, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-        try:
-            for s in (big, other):
-                s.setsockopt(zmq.LINGER, 0)
-                s.connect(srv.addr)
-            assert sync_ping(srv.addr, 10) is not None
-            hwm = [_vm_kib(p, "VmHWM") for p in pids]
-            big.send(frame)
-            time.sleep(0.05)  # the big message is at the leader first
-            t0 = time.monotonic()
-            other.send(msgpack.packb({"v": 1, "type": "ping"}))
-            assert other.poll(60_000), "no pong"
-            ping_wait = time.monotonic() - t0
-            assert msgpack.unpackb(other.recv())["type"] == "pong"
-            assert big.poll(60_000), "no reply to the big message"
-            r = msgpack.unpackb(big.recv(), raw=False)
-            grown = [(_vm_kib(p, "VmHWM") - h) >> 10 for p, h in zip(pids, hwm)]
-            figures = f"status={r['status']} ping_wait={ping_wait:.2f}s peak_rss_growth_mib={grown}"
-            assert (r["status"], r["rid"]) == (400, rid), figures
-            assert r["message"] == message, figures
-            assert ping_wait < 1.0 and max(grown) < 64, figures
-            pong = sync_ping(srv.addr, 10)
-            assert pong is not None and pong["healthy"], pong
-        finally:
-            big.close(linger=0)
-            other.close(linger=0)
+    srv, tp = short_deadline
+    pids = srv.rank_pids() if tp > 1 else [srv.proc.pid]
+    ctx = zmq.Context.instance()
+    big, other = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for s in (big, other):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(srv.addr)
+        assert sync_ping(srv.addr, 10) is not None
+        hwm = [_vm_kib(p, "VmHWM") for p in pids]
+        big.send(frame)
+        time.sleep(0.05)  # the big message is at the leader first
+        t0 = time.monotonic()
+        other.send(msgpack.packb({"v": 1, "type": "ping"}))
+        assert other.poll(60_000), "no pong"
+        ping_wait = time.monotonic() - t0
+        assert msgpack.unpackb(other.recv())["type"] == "pong"
+        assert big.poll(60_000), "no reply to the big message"
+        r = msgpack.unpackb(big.recv(), raw=False)
+        grown = [(_vm_kib(p, "VmHWM") - h) >> 10 for p, h in zip(pids, hwm)]
+        figures = f"status={r['status']} ping_wait={ping_wait:.2f}s peak_rss_growth_mib={grown}"
+        assert (r["status"], r["rid"]) == (400, rid), figures
+        assert r["message"] == message, figures
+        assert ping_wait < 1.0 and max(grown) < 64, figures
+        pong = sync_ping(srv.addr, 10)
+        assert pong is not None and pong["healthy"], pong
+    finally:
+        big.close(linger=0)
+        other.close(linger=0)
