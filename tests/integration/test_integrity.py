@@ -59,6 +59,19 @@ def payload(i: int) -> bytes:
     return torch.randint(0, 256, (4096 + (i * 613) % 5120,), dtype=torch.uint8, generator=g).numpy().tobytes()
 
 
+def shm_fds(pid: int) -> list[str]:
+    """What the /dev/shm descriptors of a rank point at (one closed while we look is skipped)."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if target.startswith("/dev/shm/"):
+            out.append(target)
+    return out
+
+
 def sha(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
@@ -169,8 +182,7 @@ def test_ranks_hold_no_descriptor_of_a_pool_they_no_longer_need(server, own_pool
     """After the bursts above, each rank keeps at most the bound of idle pools open."""
     pids = server.rank_pids() if "--tp" in server.proc.args else [server.proc.pid]
     for pid in pids:
-        fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        pools = [t for t in fds if t.startswith("/dev/shm/")]
+        pools = shm_fds(pid)
         assert len(pools) <= CACHE_BOUND, (pid, len(pools))
 
 
@@ -255,15 +267,7 @@ async def test_a_pool_its_owner_unlinked_is_not_kept_allocated(server, own_pools
     pids = server.rank_pids() if "--tp" in server.proc.args else [server.proc.pid]
 
     def holders() -> list[int]:
-        out = []
-        for pid in pids:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(f"/dev/shm/{pool.name}"):
-                        out.append(pid)
-                except FileNotFoundError:
-                    pass
-        return out
+        return [pid for pid in pids for target in shm_fds(pid) if target.startswith(f"/dev/shm/{pool.name}")]
 
     assert holders() == pids, "each rank keeps a pool it read open for the next request"
     pool.close()  # the owner unlinks it
