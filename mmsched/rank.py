@@ -98,7 +98,6 @@ class Leader:
         self._arrived = 0  # requests received so far (their seq)
         self._idle_checked = time.monotonic()
         self._drain_deadline: float | None = None
-        self._heard_at = 0.0  # when a client last sent something (the stop waits for quiet)
         runner.is_aborted = lambda req: self.aborting.get(req.key) is req  # that request, not its rid
         claim_ipc(cfg.frontend)  # again: another server may have bound it since the CLI checked
         self.ctx = zmq.asyncio.Context()
@@ -150,7 +149,6 @@ class Leader:
         """Wait for a message, then drain without blocking: receiving in batches is ~7x faster."""
         while True:
             await self.sock.poll(flags=zmq.POLLIN)
-            self._heard_at = time.monotonic()
             for _ in range(max(self.cfg.max_batch, 64)):
                 try:
                     frames = self._raw.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -398,8 +396,6 @@ class Leader:
     async def _stopped(self) -> int:
         if not self._now.is_set():
             await self._stop_followers()
-        if not self._now.is_set():
-            await self._until_quiet()
         self._answer_all(UNAVAILABLE, "service unavailable: shut down before this request ran")
         self._ack_closes()
         self.state = State.STOPPED
@@ -430,7 +426,8 @@ class Leader:
                 self._auth.stop()
             self.ctx.term()
 
-    UNREAD_QUIET_S, UNREAD_MAX_S = 0.05, 2.0
+    # clients still sending when we stop (a load generator until it sees its first 503)
+    UNREAD_QUIET_S, UNREAD_MAX_S = 0.2, 2.0
 
     def _answer_unread(self) -> None:
         """The loop is over (stopped or broken): answer what clients sent that is still
@@ -469,16 +466,6 @@ class Leader:
                 await self.lane.run(self.runner.group.broadcast, stop.encode())
             except GroupBroken as exc:
                 event("stop_broadcast_failed", logging.WARNING, reason=str(exc))
-
-    QUIET_S, QUIET_LIMIT_S = 0.2, 2.0
-
-    async def _until_quiet(self) -> None:
-        """Before the socket closes: go on answering 503 while clients still send (at most
-        QUIET_LIMIT_S), so what a sender faster than the drain has in flight gets an answer and
-        its segments unlinked, instead of dying unread with the socket. Clients stop at a 503."""
-        end = time.monotonic() + self.QUIET_LIMIT_S
-        while time.monotonic() - self._heard_at < self.QUIET_S and time.monotonic() < end:
-            await asyncio.sleep(0.05)
 
     def _answer_all(self, status: int, message: str) -> None:
         """Answer everything still queued (in-flight work: ``_answer_inflight``) and unlink its segments."""
