@@ -34,7 +34,8 @@ class Metrics:
     LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
     CONSENSUS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1, 10)
 
-    def __init__(self, leader):
+    def __init__(self, status):
+        """``status``: the leader's narrow view (``rank.status.Status``), read on each scrape."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.consensus_seconds = Histogram(
             "mmsched_consensus_seconds", "Time of one batch's failure agreement (one collective)",
@@ -42,28 +43,28 @@ class Metrics:
         self.request_latency = Histogram(
             "mmsched_request_latency_seconds", "From admission at the leader to the result being sent",
             ["status"], buckets=self.LATENCY_BUCKETS, registry=self.registry)
-        self.registry.register(_GroupCollector(leader))
+        self.registry.register(_GroupCollector(status))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _GroupCollector:
-    def __init__(self, leader):
-        self.leader = leader
+    def __init__(self, status):
+        self.status = status
 
     def collect(self):
-        ld = self.leader
+        st = self.status
         results = CounterMetricFamily("mmsched_results", "Results sent, by status", labels=["status"])
-        for status, n in sorted(ld.results_sent.items()):
+        for status, n in sorted(st.results_sent.items()):
             results.add_metric([str(status)], n)
         yield results
-        yield GaugeMetricFamily("mmsched_requests_waiting", "Requests queued at the leader", value=len(ld.queue))
+        yield GaugeMetricFamily("mmsched_requests_waiting", "Requests queued at the leader", value=st.queued)
         yield GaugeMetricFamily("mmsched_requests_running", "Requests in the batch being processed",
-                                value=len(ld.inflight))
+                                value=st.running)
         yield GaugeMetricFamily("mmsched_feature_bytes_inflight", "Feature bytes of queued and running requests",
-                                value=ld.feature_bytes_held)
-        per_rank = ld.rank_counters()
+                                value=st.feature_bytes_held)
+        per_rank = st.rank_counters()
         fails = CounterMetricFamily("mmsched_materialize_failures",
                                     "Requests a rank failed, by rank and stage", labels=["rank", "stage"])
         rel = CounterMetricFamily("mmsched_release_failures", "Close/unlink failures, by rank", labels=["rank"])
@@ -74,15 +75,15 @@ class _GroupCollector:
         yield fails
         yield rel
         yield CounterMetricFamily("mmsched_segments_unlinked", "Shared-memory segments unlinked by the leader",
-                                  value=per_rank.get(0, {}).get("segments_unlinked", 0) + ld.unlinked_at_leader)
+                                  value=per_rank.get(0, {}).get("segments_unlinked", 0) + st.unlinked_at_leader)
         yield CounterMetricFamily("mmsched_feature_bytes_forwarded", "Feature bytes the leader sent to other hosts",
                                   value=per_rank.get(0, {}).get("bytes_forwarded", 0))
         yield CounterMetricFamily("mmsched_orphans_reclaimed", "Orphaned segments removed by the sweep",
-                                  value=ld.orphans_reclaimed)
+                                  value=st.orphans_reclaimed)
         yield GaugeMetricFamily("mmsched_session_bytes", "Feature bytes held by sessions",
-                                value=ld.runner.sessions.nbytes)
-        yield GaugeMetricFamily("mmsched_sessions", "Open sessions", value=len(ld.runner.sessions))
+                                value=st.sessions.nbytes)
+        yield GaugeMetricFamily("mmsched_sessions", "Open sessions", value=len(st.sessions))
         yield GaugeMetricFamily("mmsched_session_features", "Features held by sessions",
-                                value=ld.runner.sessions.features)
-        yield GaugeMetricFamily("mmsched_ranks", "Ranks in the group", value=ld.world)
-        yield GaugeMetricFamily("mmsched_healthy", "1 while /health would answer 200", value=int(ld.health()[0]))
+                                value=st.sessions.features)
+        yield GaugeMetricFamily("mmsched_ranks", "Ranks in the group", value=st.world)
+        yield GaugeMetricFamily("mmsched_healthy", "1 while /health would answer 200", value=int(st.health()[0]))

@@ -9,12 +9,14 @@ the sweep holds an exclusive lock, so a holder cannot slip in between.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import logging
 import os
 import stat
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .log import event
 from .protocol import valid_shm_name
@@ -79,3 +81,16 @@ def sweep(prefix: str, grace_s: float, in_flight: frozenset[str] | set[str] = fr
         event("orphans_reclaimed", count=len(report.reclaimed), dry_run=dry_run,
               names=",".join(report.reclaimed[:5]))
     return report
+
+
+async def sweep_every(prefix: str, grace_s: float, interval_s: float, in_flight: Callable[[], set[str]],
+                      reclaimed: Callable[[int], None]) -> None:
+    """The leader's sweeper: at start-up, then every ``interval_s`` (0: once), off the loop.
+    ``in_flight`` names the segments of queued and running requests; ``reclaimed`` counts."""
+    loop = asyncio.get_running_loop()
+    while True:
+        report = await loop.run_in_executor(None, sweep, prefix, grace_s, in_flight())
+        reclaimed(len(report.reclaimed))
+        if not interval_s:
+            return
+        await asyncio.sleep(interval_s)
