@@ -198,16 +198,43 @@ def test_a_config_the_descriptor_limit_cannot_hold_is_refused_at_start(tmp_path)
     assert "max_queued_items" in proc.stdout + proc.stderr and "2048" in proc.stdout + proc.stderr
 
 
+# ---------------------------------------------------------------- 10 and 8: on one fresh server per tp
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def fresh(request, tmp_path_factory):
+    """A server no other test used: first for the memory test (its peak RSS is still the
+    start-up one), then for the stop test, which ends it (so it comes last)."""
+    with Server("--tp", str(request.param), tmp_dir=str(tmp_path_factory.mktemp("fresh"))) as srv:
+        srv.tp = request.param
+        yield srv
+
+
+async def test_a_feature_costs_a_rank_about_its_own_size(fresh):
+    """One 64 MiB feature: each rank's peak memory grows by about the feature (its owned
+    copy), not ~9x (the reference engine widened every byte to int64 first: +579 MiB)."""
+    srv = fresh
+    ranks = [srv.proc.pid] if srv.tp == 1 else srv.rank_pids()
+    x = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(10))
+    before = [vm_hwm(p) for p in ranks]
+    async with Client(srv.addr) as c:
+        r = expect(await c.embed([1, 2, 3], [shm(x)], want_digest=True, timeout=60), 200)
+    grown = [vm_hwm(p) - b for p, b in zip(ranks, before)]
+    print(f"peak RSS per rank for one {x.numel() >> 20} MiB feature: {['+%d MiB' % (g >> 20) for g in grown]}")
+    assert r.meta["digests"] == [sha256_of(x)]
+    for rank, g in enumerate(grown):
+        assert g < 2.5 * x.numel(), f"rank {rank}'s peak RSS grew {g >> 20} MiB for a {x.numel() >> 20} MiB feature"
+
+
+
 # ---------------------------------------------------------------- 8. a stop with messages unread
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_a_stop_answers_what_is_still_unread_at_the_socket(start_server, tp):
+def test_a_stop_answers_what_is_still_unread_at_the_socket(fresh):
     """500 requests sit unread at the frontend (the leader is paused while they are sent)
     when SIGTERM arrives: each still gets one result (200 if it ran, 503 otherwise) and its
     segment is unlinked; the group exits 0. On main the leader closed the socket on the
     ones it had not read yet: no result, segments left."""
-    srv = start_server("--tp", str(tp))
-    leader = srv.proc.pid if tp == 1 else srv.rank_pids()[0]
+    srv = fresh
+    leader = srv.proc.pid if srv.tp == 1 else srv.rank_pids()[0]
     n, data = 500, bytes(range(256)) * 16
     segs = [create_segment(data) for _ in range(n)]
     s = dealer(srv.addr)
@@ -239,24 +266,7 @@ def test_a_stop_answers_what_is_still_unread_at_the_socket(start_server, tp):
     assert not left, f"{len(left)} segments left in /dev/shm"
 
 
-# ---------------------------------------------------------------- 10. what a batch really costs
-
-@pytest.mark.parametrize("tp", [1, 2])
-async def test_a_feature_costs_a_rank_about_its_own_size(start_server, tp):
-    """One 64 MiB feature: each rank's peak memory grows by about the feature (its owned
-    copy), not ~9x (the reference engine widened every byte to int64 first: +579 MiB)."""
-    srv = start_server("--tp", str(tp))
-    ranks = [srv.proc.pid] if tp == 1 else srv.rank_pids()
-    x = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(10))
-    before = [vm_hwm(p) for p in ranks]
-    async with Client(srv.addr) as c:
-        r = expect(await c.embed([1, 2, 3], [shm(x)], want_digest=True, timeout=60), 200)
-    grown = [vm_hwm(p) - b for p, b in zip(ranks, before)]
-    print(f"peak RSS per rank for one {x.numel() >> 20} MiB feature: {['+%d MiB' % (g >> 20) for g in grown]}")
-    assert r.meta["digests"] == [sha256_of(x)]
-    for rank, g in enumerate(grown):
-        assert g < 2.5 * x.numel(), f"rank {rank}'s peak RSS grew {g >> 20} MiB for a {x.numel() >> 20} MiB feature"
-
+# ---------------------------------------------------------------- 10. session refs
 
 async def test_session_refs_count_their_bytes_and_leave_the_loop_free(solo):
     """64 refs to a stored 32 MiB feature are a 2 GiB batch, not a 0-byte one: at tp=1 it

@@ -5,7 +5,8 @@ every rank alike; a session belongs to the connection that named it; a close app
 the requests sent before it, and is acked during a drain too.
 
 Two groups: one shared by every test (distinct session ids, rid globs per test), and one
-with a 1 s idle timeout for the expiry test only; the drain tests start their own server.
+with a 1 s idle timeout for the expiry test only; the drain test comes last and ends the
+shared servers (tp=2 and the tp=1 one).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ ARGS = (
     "--fault", "1:open:sfail-*",      # a turn that fails on rank 1 (open stage)
     "--fault", "1:stall:shold-*",     # holds the lane: later turns wait queued at the leader
     "--fault", "0:hold:smat-*",       # the leader is slow while materializing: abort lands there
+    "--fault", "0:stall:dhold-*",     # holds the lane while the drain test sends its close
     "--stall-s", str(STALL_S),
 )
 
@@ -52,7 +54,7 @@ def group(tmp_path_factory):
 @pytest.fixture(scope="module")
 def solo(tmp_path_factory):
     """One rank: small batches run on the leader's loop there, not on the lane."""
-    with Server("--tp", "1", "--fault", "0:stall:shold-*", "--stall-s", str(STALL_S),
+    with Server("--tp", "1", "--fault", "0:stall:shold-*", "--fault", "0:stall:dhold-*", "--stall-s", str(STALL_S),
                 tmp_dir=str(tmp_path_factory.mktemp("solo"))) as srv:
         yield srv
 
@@ -391,13 +393,13 @@ async def test_zero_size_features_count_against_the_session_bounds(group):
 
 # ---------------------------------------------------------------- close_session in a drain
 
-@pytest.mark.parametrize("tp", [1, 2])
-async def test_close_session_sent_during_a_drain_is_acked(start_server, tp):
-    srv = start_server("--tp", str(tp), "--fault", "0:stall:dhold-*", "--stall-s", "3")
+async def test_close_session_sent_during_a_drain_is_acked(tp1_or_2):
+    """Last in the module: the drain ends the shared server it runs on."""
+    srv = tp1_or_2
     s = sid()
     async with Client(srv.addr) as c:
         expect(await turn(c, s, [inline(feature(130), id="a")]), 200)
-        hold = await hold_lane(c, "dhold-1")  # 3 s in the engine: the drain waits for it
+        hold = await hold_lane(c, "dhold-1")  # STALL_S in the engine: the drain waits for it
         srv.proc.send_signal(signal.SIGTERM)
         for _ in range(100):
             if (await c.ping(timeout=5))["state"] == "draining":
