@@ -1,11 +1,21 @@
-"""The leader's lifecycle (mmsched.rank.lifecycle) and its health (mmsched.rank.status),
-pure: the drain and its deadline, the second signal, the same stop twice, broken."""
+"""The leader's lifecycle (mmsched.rank.lifecycle) and what the outside sees of it
+(mmsched.rank.status), pure: the drain and its deadline, the second signal, the same stop
+twice, broken; health; /metrics rendered from the status view alone."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
+from mmsched.config import Config
+from mmsched.metrics import RankCounters
+from mmsched.protocol import Request
+from mmsched.rank.admission import Admission
 from mmsched.rank.lifecycle import Lifecycle, State
-from mmsched.rank.status import health
+from mmsched.rank.status import Status, health
 from mmsched.remote import Topology
+from mmsched.sessions import SessionStore
 
 
 def serving(timeout: float = 30.0) -> Lifecycle:
@@ -78,3 +88,19 @@ def test_health_is_ok_only_while_serving_with_the_lane_on_time_and_the_socket_fi
     broken = serving()
     broken.broken("rank 1 exited")
     assert check(broken) == (False, "rank group broken: rank 1 exited")
+
+
+def test_metrics_render_from_the_status_view_alone():
+    """/metrics reads the narrow ``Status`` (queue depths, counters, health), not the leader."""
+    cfg = dataclasses.replace(Config(), max_batch=1)
+    core = Admission(cfg, SessionStore(1024), gather_stats=False, now=0.0)
+    for rid in ("a", "b"):
+        core.admit(Request(rid, "embed", np.zeros(1, "<i4"), [], client=b"c"))
+    core.next_batch(1.0)
+    status = Status(core, serving(), FakeLane(), lambda: None, 10.0, core.sessions, Topology.single(),
+                    RankCounters(), world=1)
+    status.results_sent[200] = 3
+    text = status.metrics.render().decode()
+    for line in ("mmsched_requests_waiting 1.0", "mmsched_requests_running 1.0",
+                 'mmsched_results_total{status="200"} 3.0', "mmsched_healthy 1.0", "mmsched_ranks 1.0"):
+        assert line in text, line
