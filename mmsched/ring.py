@@ -10,7 +10,9 @@ deadline and whether the other side is still alive. A wait that runs out raises
 
 Layout: one header line (64 bytes) per word, then ``SLOTS`` slots of ``SLOT_BYTES``:
 
-- line 0: ``published``, the chunks the leader has written (a u32 that wraps);
+- line 0: ``published``, the chunks the leader has written (a u32 that wraps), then
+  ``leader_waits``, set while the leader waits for a slot (readers wake it only then; a
+  wake lost to the race between the two is made up by the next tick);
 - line 1 + r: ``consumed`` by reader r (its own line: readers never share one);
 - slot: u32 message length, u32 chunk length, the chunk's bytes.
 
@@ -28,8 +30,6 @@ import os
 import platform
 import struct
 import time
-
-import numpy as np
 
 from .errors import GroupBroken
 
@@ -49,16 +49,19 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-def _futex_wait(addr: int, expected: int, timeout_s: float) -> None:
+_syscall = _libc.syscall
+_NR, _WAIT, _WAKE, _ALL, _ZERO = (ctypes.c_long(_SYS_FUTEX), ctypes.c_int(_FUTEX_WAIT), ctypes.c_int(_FUTEX_WAKE),
+                                  ctypes.c_int(0x7FFFFFFF), ctypes.c_int(0))
+
+
+def _futex_wait(addr: ctypes.c_void_p, expected: int, timeout_s: float) -> None:
     """Sleep while the u32 at ``addr`` is ``expected``, at most ``timeout_s`` (returns early on a wake)."""
     ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAIT),
-                  ctypes.c_uint32(expected), ctypes.byref(ts), None, ctypes.c_int(0))
+    _syscall(_NR, addr, _WAIT, ctypes.c_uint32(expected), ctypes.byref(ts), None, _ZERO)
 
 
-def _futex_wake(addr: int) -> None:
-    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE),
-                  ctypes.c_int(0x7FFFFFFF), None, None, ctypes.c_int(0))
+def _futex_wake(addr: ctypes.c_void_p) -> None:
+    _syscall(_NR, addr, _WAKE, _ALL, None, None, _ZERO)
 
 
 def _alive(pid: int | None) -> bool:
@@ -87,8 +90,9 @@ class Ring:
         anchor = ctypes.c_char.from_buffer(self._mm)
         self._base = ctypes.addressof(anchor)
         del anchor  # the address stays valid while the mapping lives; no export is kept
-        self._words = np.frombuffer(self._mm, dtype=np.uint32, count=_LINE // 4 * (1 + readers))
         self._slots = _LINE * (1 + readers)
+        self._words = memoryview(self._mm)[: self._slots].cast("I")
+        self._addr = [ctypes.c_void_p(self._base + line * _LINE) for line in range(1 + readers)]
         self._count = 0          # chunks written (leader) or read (reader) so far, unwrapped
         self.peers: list[int | None] = []  # the pids waited on: readers (leader), the leader (reader)
 
@@ -128,25 +132,23 @@ class Ring:
     def close(self) -> None:
         if self.index is None:
             self.unlink()
-        self._words = None
+        self._words.release()
         self._mm.close()
 
     # ------------------------------------------------------------ waiting
 
-    def _word(self, line: int) -> tuple[int, int]:
-        """The u32 at the start of header line ``line``: its index in ``_words`` and its address."""
-        return line * _LINE // 4, self._base + line * _LINE
-
     def _wait(self, line: int, until, who: str) -> None:
         """Sleep on a header word until ``until(value)``; GroupBroken past the deadline or if a peer died."""
-        at, addr = self._word(line)
+        at, addr = line * _LINE // 4, self._addr[line]
+        if until(self._words[at]):
+            return
         deadline = time.monotonic() + self.timeout_s
-        while not until(int(self._words[at])):
+        while not until(self._words[at]):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise GroupBroken(f"ring: {who} did not move within {self.timeout_s:g} s")
-            _futex_wait(addr, int(self._words[at]), min(TICK_S, left))
-            if not until(int(self._words[at])) and not all(_alive(p) for p in self.peers):
+            _futex_wait(addr, self._words[at], min(TICK_S, left))
+            if not until(self._words[at]) and not all(_alive(p) for p in self.peers):
                 raise GroupBroken(f"ring: {who} is gone")
 
     # ------------------------------------------------------------ leader
@@ -158,14 +160,19 @@ class Ring:
         while True:
             c = self._count
             for r in range(self.readers):
-                self._wait(1 + r, lambda v: (c - v) & MASK < SLOTS, f"ring reader {r}")
+                if (c - self._words[(1 + r) * _LINE // 4]) & MASK >= SLOTS:
+                    self._words[1] = 1  # readers wake us only while this is set
+                    try:
+                        self._wait(1 + r, lambda v: (c - v) & MASK < SLOTS, f"ring reader {r}")
+                    finally:
+                        self._words[1] = 0
             at = self._slots + (c % SLOTS) * SLOT_BYTES
             k = min(n - off, PAYLOAD)
             struct.pack_into("<II", self._mm, at, n, k)
             self._mm[at + 8: at + 8 + k] = view[off: off + k]
             self._count = c + 1
             self._words[0] = self._count & MASK
-            _futex_wake(self._base)
+            _futex_wake(self._addr[0])
             off += k
             if off >= n:
                 return
@@ -175,7 +182,7 @@ class Ring:
     def read(self) -> bytes:
         """The next message, copied out of the ring (its slots are free again on return)."""
         line, parts, got = 1 + self.index, [], 0
-        at_me, addr_me = self._word(line)
+        at_me = line * _LINE // 4
         while True:
             c = self._count
             self._wait(0, lambda v: v != c & MASK, "the leader")
@@ -185,6 +192,7 @@ class Ring:
             got += k
             self._count = c + 1
             self._words[at_me] = self._count & MASK
-            _futex_wake(addr_me)
+            if self._words[1]:  # the leader waits for a slot (rarely: the ring was full)
+                _futex_wake(self._addr[line])
             if got >= n:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
