@@ -32,6 +32,7 @@ from mmsched.sweep import sweep
 
 from ..conftest import pid_alive as alive
 from .lifecycle import feature, sha256_of, wait_until
+from .test_group import private_server  # noqa: F401 - the fixture: a group this test breaks
 
 PREFIX = "mmsched_"
 BIG = 2 * ringmod.SLOTS * ringmod.SLOT_BYTES + 12345  # spans the ring twice over
@@ -186,19 +187,3 @@ async def test_big_batch_arrives_then_a_stopped_follower_breaks_the_group(privat
     assert srv.proc.wait(timeout=timeout + 10) != 0
     wait_until(lambda: not any(alive(p) for p in pids), 10, "every rank process exits")
 
-
-@pytest.fixture
-def private_server(tmp_path):
-    from ..conftest import Server
-
-    servers = []
-
-    def start(*args: str):
-        srv = Server(*args, tmp_dir=str(tmp_path))
-        servers.append(srv)
-        srv.wait_ready(timeout=90)
-        return srv
-
-    yield start
-    for srv in servers:
-        srv.kill_all()
