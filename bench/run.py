@@ -326,7 +326,7 @@ def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: d
         last = r["section"]
         ratio = "-" if r["ratio"] is None else (f"{r['ratio']:.1f}x" if r["section"] == "consensus"
                                                  else f"{r['ratio']:.2f}")
-        target = "" if r["target"] is None else f">={r['target']:.2f}"
+        target = "" if r["target"] is None else f">={r['target']:g}"
         target = f"<={r['limit_ms']:.1f}ms" if r.get("limit_ms") is not None else target
         lines.append(f"{r['section']:<12} {r['case']:<{w}} {r['ours']:>14} {r['ceiling']:>14} {ratio:>7} "
                      f"{target:>8}  {r['ceiling_name']}{'  ' + r['verdict'] if r['verdict'] else ''}")
