@@ -8,10 +8,11 @@ the same flags:
 
 - reference: ``consensus.agree_per_request`` — one ``all_gather_object`` per request;
 - batched:   ``consensus.agree`` — one tensor all-gather per batch (plus one
-  ``all_gather_object`` of error strings when the batch holds a failure).
+  ``all_gather_object`` of error strings only when one rank failed more requests than
+  ``consensus.ERR_SLOTS``: one error string per failed request rides in the same all-gather).
 
 Two row sets: ``clean`` (nothing failed) and ``1 failure`` (rank 1 fails the first request
-of every batch, so the batched path also gathers error strings). Every cell is warmed up,
+of every batch, its error string rides in the batched all-gather). Every cell is warmed up,
 then timed in rounds; the reported figure is the median round, in µs per request. Each
 cell's timed part is about ``--budget`` seconds (at least 3 batches), so on an idle
 2-core machine the whole run takes well under a minute.
@@ -121,7 +122,7 @@ def format_table(rows: list[dict]) -> str:
         sel = [r for r in rows if r["failures"] == fail]
         if not sel:
             continue
-        lines.append(f"# {'one failure per batch (batched path also gathers error strings)' if fail else 'clean batches'}")
+        lines.append(f"# {'one failure per batch (its error string rides in the batched all-gather)' if fail else 'clean batches'}")
         for r in sel:
             lines.append(f"{r['tp']:>3} {r['batch']:>6} {r['failures']:>9} {r['reference_us']:>17.1f} "
                          f"{r['batched_us']:>15.2f} {r['ratio']:>7.1f}x")

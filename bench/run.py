@@ -13,7 +13,12 @@
 4. consensus: bench/consensus.py (per-request all_gather_object against one batched
    all-gather), when it is there;
 5. remote: bench/remote.py (shipping host-bound features to a rank on another host
-   against one gloo broadcast of the same bytes), when it is there.
+   against one gloo broadcast of the same bytes), when it is there;
+6. sync client: bench/sync_client.py, a plain synchronous pyzmq DEALER (no asyncio, not
+   our load generator): text-only throughput with 256 in flight, and p50/p99 in an open
+   loop at 1000 req/s, each against the bare ROUTER.
+
+Targets are issue 13's; a ratio target is ">=", a latency target is in ms.
 
 Prints one table and writes the raw figures to bench/results.json. Servers use their
 own shm prefix (``mmbench_``), so a test run on the same machine cannot take their
@@ -57,6 +62,10 @@ WORKLOADS = [
 ]
 TARGETS = {("throughput", 1, "text-only"): 0.50, ("throughput", 2, "text-only"): 0.35,
            ("materialize", "fresh", 16 * MiB): 0.30, ("materialize", "pooled", 16 * MiB): 0.70}
+SYNC_RATE = 1000.0                      # the open loop's fixed rate, req/s
+SYNC_TARGETS = {1: 0.50, 2: 0.35}       # closed-loop throughput vs the bare ROUTER
+SYNC_P50_SLACK_MS = {1: 0.5, 2: 1.0}    # open-loop p50 <= the bare ROUTER's + this
+P99_MAX_MS, HALF_RATE_P50_MS = 5.0, 2.0
 
 
 # ---------------------------------------------------------------- servers
@@ -184,6 +193,24 @@ def latency(procs: dict[str, Proc], tput: list[dict], quick: bool) -> list[dict]
     return rows
 
 
+def sync_client(procs: dict[str, Proc], quick: bool) -> dict:
+    """The plain synchronous client against bare, tp1, tp2: closed-loop rate, open-loop latency."""
+    import sync_client as sc
+
+    secs = 1.5 if quick else 3.0
+    out: dict = {"closed": {}, "open": {}}
+    for target in ("bare", "tp1", "tp2"):
+        sc.closed(procs[target].addr, 0.5)  # warm-up
+        out["closed"][target] = sc.closed(procs[target].addr, secs)
+    for target in ("bare", "tp1", "tp2"):
+        out["open"][target] = sc.open_loop(procs[target].addr, SYNC_RATE, secs)
+    c, o = out["closed"], out["open"]
+    print(f"  sync client closed: bare {c['bare']['rate']:.0f} tp1 {c['tp1']['rate']:.0f} "
+          f"tp2 {c['tp2']['rate']:.0f} req/s; open @ {SYNC_RATE:.0f}: p50 bare {o['bare']['p50_ms']} "
+          f"tp1 {o['tp1']['p50_ms']} tp2 {o['tp2']['p50_ms']} ms", file=sys.stderr, flush=True)
+    return out
+
+
 def sub_bench(tmp: str, name: str, args: list[str], timeout: float = 240.0) -> dict:
     """Run another benchmark of bench/ (``--json``); its rows, or why there are none."""
     script = os.path.join(HERE, f"{name}.py")
@@ -215,13 +242,40 @@ def _size(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
 
-def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: dict) -> tuple[str, list[dict]]:
+def _sync_rows(add, sync: dict) -> None:
+    """The plain synchronous client's rows: closed-loop throughput, open-loop p50/p99 at SYNC_RATE."""
+    closed, opened = sync.get("closed", {}), sync.get("open", {})
+    for tp in (1, 2):
+        ours, bare = closed.get(f"tp{tp}"), closed.get("bare")
+        if ours and bare:
+            add("sync client", f"tp={tp} text-only throughput (256 in flight)", f"{ours['rate']:.0f} req/s",
+                f"{bare['rate']:.0f} req/s", ours["rate"] / bare["rate"] if bare["rate"] else 0.0,
+                SYNC_TARGETS[tp], "bare ROUTER")
+    for tp in (1, 2):
+        ours, bare = opened.get(f"tp{tp}"), opened.get("bare")
+        if not (ours and bare):
+            continue
+        for q in ("p50", "p99"):
+            o, b = ours[f"{q}_ms"], bare[f"{q}_ms"]
+            limit = (b or 0.0) + SYNC_P50_SLACK_MS[tp] if q == "p50" else P99_MAX_MS
+            add("sync client", f"tp={tp} text-only {q} open loop @ {SYNC_RATE:.0f} req/s",
+                "-" if o is None else f"{o:.2f} ms", "-" if b is None else f"{b:.2f} ms",
+                b / o if o and b else 0.0, None, "bare ROUTER, same rate", limit_ms=limit,
+                ms=None if ours["bad"] or ours["lost"] else o)  # a non-200 or lost reply misses the target
+
+
+def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: dict,
+          sync: dict | None = None) -> tuple[str, list[dict]]:
     rows: list[dict] = []
 
-    def add(section, case, ours, ceiling, ratio, target=None, ceiling_name=""):
+    def add(section, case, ours, ceiling, ratio, target=None, ceiling_name="", limit_ms=None, ms=None):
+        """``target``: ratio >= it; ``limit_ms``: ``ms`` (our latency) <= it."""
         verdict = "" if target is None else ("ok" if ratio >= target else "MISSED")
+        if limit_ms is not None:
+            verdict = "ok" if ms is not None and ms <= limit_ms else "MISSED"
         rows.append({"section": section, "case": case, "ours": ours, "ceiling": ceiling,
-                     "ceiling_name": ceiling_name, "ratio": ratio, "target": target, "verdict": verdict})
+                     "ceiling_name": ceiling_name, "ratio": ratio, "target": target, "limit_ms": limit_ms,
+                     "verdict": verdict})
 
     for r in tput:
         for tp in (1, 2):
@@ -239,11 +293,13 @@ def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: d
         for q in ("p50", "p99"):
             o, b = r["ours"][f"{q}_ms"] or 0.0, r["bare"][f"{q}_ms"] or 0.0  # None: no result came back
             add("latency", f"tp={tp} text-only {q} @ {r['rate']:.0f} req/s (0.5 x max)", f"{o:.2f} ms",
-                f"{b:.2f} ms", b / o if o else 0.0, None, "bare ROUTER, same rate")
+                f"{b:.2f} ms", b / o if o else 0.0, None, "bare ROUTER, same rate",
+                limit_ms=HALF_RATE_P50_MS if q == "p50" else None, ms=o)
+    _sync_rows(add, sync or {})
     if rem.get("rows"):
         for r in rem["rows"]:
             add("remote", f"ship {_size(r['bytes'])} in {r['items']} item(s) to a remote host",
-                f"{r['mmsched_mib_s']:.0f} MiB/s", f"{r['gloo_mib_s']:.0f} MiB/s", r["ratio"], None,
+                f"{r['mmsched_mib_s']:.0f} MiB/s", f"{r['gloo_mib_s']:.0f} MiB/s", r["ratio"], 0.80,
                 "one gloo broadcast of the bytes")
     elif not rem.get("skipped"):
         reason = "bench/remote.py not present" if rem.get("missing") else rem.get("error", "not run")
@@ -253,13 +309,14 @@ def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: d
         for r in cons["rows"]:
             what = "1 failure" if r["failures"] else "clean"
             add("consensus", f"tp={r['tp']} batch={r['batch']} {what}", f"{r['batched_us']:.2f} us/req",
-                f"{r['reference_us']:.1f} us/req", r["ratio"], None, "per-request all_gather_object")
+                f"{r['reference_us']:.1f} us/req", r["ratio"], 100.0 if r["batch"] >= 64 else 1.0,
+                "per-request all_gather_object")
     else:
         reason = "bench/consensus.py not present" if cons.get("missing") else cons.get("error", "not run")
         rows.append({"section": "consensus", "case": f"(placeholder: {reason})", "ours": "-", "ceiling": "-",
                      "ceiling_name": "", "ratio": None, "target": None, "verdict": ""})
     w = max(len(r["case"]) for r in rows)
-    head = (f"{'section':<12} {'case':<{w}} {'mmsched':>14} {'ceiling':>14} {'ratio':>7} {'target':>7}  "
+    head = (f"{'section':<12} {'case':<{w}} {'mmsched':>14} {'ceiling':>14} {'ratio':>7} {'target':>8}  "
             "ceiling is")
     lines = [head, "-" * (len(head) + 20)]
     last = None
@@ -269,9 +326,10 @@ def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: d
         last = r["section"]
         ratio = "-" if r["ratio"] is None else (f"{r['ratio']:.1f}x" if r["section"] == "consensus"
                                                  else f"{r['ratio']:.2f}")
-        target = "" if r["target"] is None else f">={r['target']:.2f}"
+        target = "" if r["target"] is None else f">={r['target']:g}"
+        target = f"<={r['limit_ms']:.1f}ms" if r.get("limit_ms") is not None else target
         lines.append(f"{r['section']:<12} {r['case']:<{w}} {r['ours']:>14} {r['ceiling']:>14} {ratio:>7} "
-                     f"{target:>7}  {r['ceiling_name']}{'  ' + r['verdict'] if r['verdict'] else ''}")
+                     f"{target:>8}  {r['ceiling_name']}{'  ' + r['verdict'] if r['verdict'] else ''}")
     return "\n".join(lines), rows
 
 
@@ -281,19 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=os.path.join(HERE, "results.json"), help="where to write the figures")
     p.add_argument("--budget-s", type=float, default=360.0, help="stop starting new sections after this long")
     p.add_argument("--skip", default="", help="comma-separated sections to skip: materialize,throughput,"
-                                               "latency,consensus,remote")
+                                               "latency,sync,consensus,remote")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.monotonic()
     deadline = t0 + args.budget_s
     import materialize as mat_mod
 
-    mat, tput, lat, cons = [], [], [], {"error": "skipped"}
+    mat, tput, lat, cons, sync = [], [], [], {"error": "skipped"}, {}
     with tempfile.TemporaryDirectory(prefix="mmbench-") as tmp:
         if "materialize" not in skip:
             print("materialization ...", file=sys.stderr, flush=True)
             mat = mat_mod.run([64 * KiB, MiB, 16 * MiB, 64 * MiB], 0.2 if args.quick else 0.5)
-        if not skip >= {"throughput", "latency"}:
+        if not skip >= {"throughput", "latency", "sync"}:
             print("starting servers (bare ROUTER, mmsched tp=1, tp=2) ...", file=sys.stderr, flush=True)
             procs = {}
             try:
@@ -302,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                     tput = throughput(procs, args.quick, deadline)
                 if "latency" not in skip and time.monotonic() < deadline:
                     lat = latency(procs, tput, args.quick)
+                if "sync" not in skip and time.monotonic() < deadline:
+                    sync = sync_client(procs, args.quick)
             finally:
                 for proc in procs.values():
                     proc.stop()
@@ -316,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             rem = remote(tmp, args.quick)
         elif "remote" not in skip:
             rem = {"error": "time budget spent"}
-    text, rows = table(mat, tput, lat, cons, rem)
+    text, rows = table(mat, tput, lat, cons, rem, sync)
     elapsed = time.monotonic() - t0
     print(text)
     print(f"({elapsed:.0f} s on {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; ratio = mmsched / "
@@ -324,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
                        "loadavg_end": os.getloadavg()},
            "elapsed_s": elapsed, "quick": args.quick, "table": rows, "materialize": mat, "throughput": tput,
-           "latency": lat, "consensus": cons, "remote": rem}
+           "latency": lat, "consensus": cons, "remote": rem, "sync_client": sync}
     with open(args.json, "w") as fh:
         json.dump(loadgen._finite(doc), fh, indent=1)
     bad = [r for r in tput for t in ("bare", "tp1", "tp2") if not r[t]["ok"]]

@@ -1,9 +1,13 @@
 """The batched agreement: one all-gather per batch tells every rank which ranks failed which requests.
 
 Each rank contributes one flag per request (0 ok, 1 failed here, 2 aborted — only the
-leader sets 2, so an abort is agreed like any failure). Error strings travel only in a
-batch with a failure, in one more collective. An optional ``extra`` tensor rides in the
-same all-gather (the engine's shards, digest prefixes), so agreeing costs nothing extra.
+leader sets 2, so an abort is agreed like any failure). An optional ``extra`` tensor rides
+in the same all-gather (the engine's shards, digest prefixes), so agreeing costs nothing
+extra. So do the error strings: each rank appends a fixed tail of ``ERR_SLOTS`` slots of
+``ERR_WIDTH`` bytes (UTF-8, cut with a marker), so a failure costs no second collective.
+The tail is the same size whatever failed (a size that depends on the failures would
+need a collective to agree on); only a rank with more than ``ERR_SLOTS`` failures in one
+batch makes every rank gather the strings again, as objects.
 """
 
 from __future__ import annotations
@@ -14,6 +18,11 @@ import numpy as np
 import torch
 
 OK, FAILED, ABORTED = 0, 1, 2
+ERR_WIDTH = 200                 # bytes of one error string in the gather; longer ones are cut
+ERR_SLOTS = 4                   # error strings per rank carried in the flags' all-gather
+TRUNCATED = " [truncated]"      # ends a cut string
+_SLOT = 4 + 2 + ERR_WIDTH       # request index (int32), length (uint16), the bytes
+_TAIL = -(-(4 + ERR_SLOTS * _SLOT) // 8) * 8  # this rank's failure count, the slots; 8-aligned
 
 
 @dataclass
@@ -45,16 +54,54 @@ class Verdict:
 
 
 def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor | None = None) -> Verdict:
-    """One collective for the batch (two when something failed). Runs on the lane."""
+    """One collective for the batch (two only when a rank failed more than ERR_SLOTS requests)."""
     n = len(flags)
     dtype = extra.dtype if extra is not None else torch.int64
     local = torch.from_numpy(np.ascontiguousarray(flags, dtype=np.int64)).to(dtype).reshape(n, 1)
     if extra is not None:
         local = torch.cat([local, extra.reshape(n, -1)], dim=1)
-    gathered = group.all_gather(local)
-    all_flags = gathered[:, :, 0].to(torch.int64).numpy()
-    all_errors = group.all_gather_object(errors) if (all_flags == FAILED).any() else None
-    return Verdict(all_flags, all_errors, gathered[:, :, 1:] if extra is not None else None)
+    head = local.contiguous().view(torch.uint8).reshape(-1)
+    gathered = group.all_gather(torch.cat([head, torch.from_numpy(_tail(errors))]))
+    world, cols = gathered.shape[0], local.shape[1]
+    table = gathered[:, : head.numel()].contiguous().view(dtype).reshape(world, n, cols)
+    all_flags = table[:, :, 0].to(torch.int64).numpy()
+    tails = gathered[:, head.numel():].numpy()
+    all_errors = None
+    if (all_flags == FAILED).any():
+        if any(int(t[:4].view(np.int32)[0]) > ERR_SLOTS for t in tails):
+            all_errors = group.all_gather_object({i: clip(e) for i, e in errors.items()})
+        else:
+            all_errors = [_read_tail(t) for t in tails]
+    return Verdict(all_flags, all_errors, table[:, :, 1:] if extra is not None else None)
+
+
+def clip(text: str) -> str:
+    """At most ERR_WIDTH bytes of UTF-8, cut on a character boundary and marked when cut."""
+    raw = text.encode("utf-8", "backslashreplace")
+    if len(raw) <= ERR_WIDTH:
+        return raw.decode("utf-8")
+    return raw[: ERR_WIDTH - len(TRUNCATED)].decode("utf-8", "ignore") + TRUNCATED
+
+
+def _tail(errors: dict[int, str]) -> np.ndarray:
+    out = np.zeros(_TAIL, dtype=np.uint8)
+    out[:4] = np.frombuffer(np.int32(len(errors)).tobytes(), dtype=np.uint8)
+    for k, i in enumerate(sorted(errors)[:ERR_SLOTS]):
+        raw = clip(errors[i]).encode("utf-8")
+        at = 4 + k * _SLOT
+        out[at: at + 6] = np.frombuffer(np.int32(i).tobytes() + np.uint16(len(raw)).tobytes(), dtype=np.uint8)
+        out[at + 6: at + 6 + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return out
+
+
+def _read_tail(tail: np.ndarray) -> dict[int, str]:
+    count = min(int(tail[:4].view(np.int32)[0]), ERR_SLOTS)
+    out = {}
+    for k in range(count):
+        at = 4 + k * _SLOT
+        i, length = int(tail[at: at + 4].view(np.int32)[0]), int(tail[at + 4: at + 6].view(np.uint16)[0])
+        out[i] = tail[at + 6: at + 6 + length].tobytes().decode("utf-8")
+    return out
 
 
 def agree_per_request(group, flags: np.ndarray, errors: dict[int, str]) -> Verdict:

@@ -1,12 +1,17 @@
 """The rank group as the rest of the code sees it: broadcast, all-gather, all-gather-object.
 
 ``SoloGroup`` is a group of one (no torch.distributed); ``GlooGroup`` wraps a real gloo
-process group. Every method is a collective and runs on the lane thread only.
+process group; ``RingGroup`` is a ``GlooGroup`` whose broadcast reaches the followers on
+the leader's host through a shared-memory ring (``mmsched.ring``: no gloo threads, no
+TCP) and only the ranks on other hosts through gloo. Every method is a collective and
+runs on the lane thread only.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import uuid
 from typing import Any
 
 import numpy as np
@@ -14,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import GroupBroken
+from .ring import Ring
 
 
 class SoloGroup:
@@ -42,33 +48,9 @@ class GlooGroup:
         )
         self.rank, self.world = rank, world
 
-    FIRST = 32 << 10  # the first broadcast's size: a typical batch fits, so one collective suffices
-
     def broadcast(self, payload: bytes | None) -> memoryview:
-        """Leader passes bytes, followers None; everyone gets the leader's bytes.
-
-        One fixed-size broadcast carries the length and the first bytes; a second one
-        follows only for a payload that did not fit."""
-        try:
-            head = torch.zeros(self.FIRST, dtype=torch.uint8)
-            if payload is not None:
-                n = len(payload)
-                head[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
-                first = min(n, self.FIRST - 8)
-                head.numpy()[8: 8 + first] = np.frombuffer(payload, dtype=np.uint8, count=first)
-            dist.broadcast(head, src=0)
-            n = int(head[:8].view(torch.int64).item())
-            if n <= self.FIRST - 8:
-                return memoryview(head.numpy())[8: 8 + n]
-            buf = torch.empty(n, dtype=torch.uint8)
-            if payload is not None:
-                buf.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-            dist.broadcast(buf[self.FIRST - 8:], src=0)
-            if payload is None:
-                buf.numpy()[: self.FIRST - 8] = head.numpy()[8:]
-            return memoryview(buf.numpy())
-        except RuntimeError as exc:
-            raise GroupBroken(f"broadcast failed: {exc}") from exc
+        """Leader passes bytes, followers None; everyone gets the leader's bytes."""
+        return broadcast_bytes(payload, None)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         try:
@@ -91,6 +73,100 @@ class GlooGroup:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
+
+
+class RingGroup:
+    """A gloo group whose batch broadcast goes through a ring to same-host followers."""
+
+    def __init__(self, gloo: GlooGroup, hosts: list[str], prefix: str, timeout_s: float):
+        """Collective, at start-up: the leader creates the ring, its followers map it, then
+        the leader unlinks its name (so nothing is left in /dev/shm, whatever happens next)."""
+        self.gloo, self.rank, self.world = gloo, gloo.rank, gloo.world
+        local = [r for r in range(1, self.world) if hosts[r] == hosts[0]]
+        remote = [r for r in range(1, self.world) if hosts[r] != hosts[0]]
+        self._remote = dist.new_group([0, *remote], backend="gloo") if remote else None  # every rank calls it
+        self.ring: Ring | None = None
+        if self.rank == 0 and local:
+            self.ring = Ring.create(f"{prefix}{os.getpid()}_ring_{uuid.uuid4().hex[:8]}", len(local), timeout_s)
+        me = (os.getpid(), _pid_namespace(), self.ring.name if self.ring else None)
+        peers = gloo.all_gather_object(me)
+        problem = None
+        if self.rank in local:
+            try:
+                self.ring = Ring.attach(peers[0][2], len(local), local.index(self.rank), timeout_s)
+                self.ring.peers = [_visible(peers[0], me)]
+            except (OSError, GroupBroken) as exc:
+                problem = f"rank {self.rank} cannot map the ring: {exc}"
+        problems = [p for p in gloo.all_gather_object(problem) if p]
+        if self.rank == 0 and self.ring:
+            self.ring.peers = [_visible(peers[r], me) for r in local]
+            self.ring.unlink()
+        if problems:
+            self.close()
+            raise GroupBroken("; ".join(problems))
+
+    def broadcast(self, payload: bytes | None) -> Any:
+        if self.rank == 0:
+            if self.ring is not None:
+                self.ring.write(payload)
+            if self._remote is not None:
+                broadcast_bytes(payload, self._remote)
+            return payload
+        return self.ring.read() if self.ring is not None else broadcast_bytes(None, self._remote)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return self.gloo.all_gather(t)
+
+    def all_gather_object(self, obj: Any) -> list:
+        return self.gloo.all_gather_object(obj)
+
+    def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        self.gloo.close()
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _visible(peer: tuple, me: tuple) -> int | None:
+    """A peer's pid, where this rank can see it (same pid namespace); else None (deadline only)."""
+    return peer[0] if peer[1] and peer[1] == me[1] else None
+
+
+FIRST = 32 << 10  # the first broadcast's size: a typical batch fits, so one collective suffices
+
+
+def broadcast_bytes(payload: bytes | None, pg) -> memoryview:
+    """The leader's bytes to every rank of ``pg`` (None: the whole group), over gloo.
+
+    One fixed-size broadcast carries the length and the first bytes; a second one
+    follows only for a payload that did not fit."""
+    try:
+        head = torch.zeros(FIRST, dtype=torch.uint8)
+        if payload is not None:
+            n = len(payload)
+            head[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+            first = min(n, FIRST - 8)
+            head.numpy()[8: 8 + first] = np.frombuffer(payload, dtype=np.uint8, count=first)
+        dist.broadcast(head, src=0, group=pg)
+        n = int(head[:8].view(torch.int64).item())
+        if n <= FIRST - 8:
+            return memoryview(head.numpy())[8: 8 + n]
+        buf = torch.empty(n, dtype=torch.uint8)
+        if payload is not None:
+            buf.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+        dist.broadcast(buf[FIRST - 8:], src=0, group=pg)
+        if payload is None:
+            buf.numpy()[: FIRST - 8] = head.numpy()[8:]
+        return memoryview(buf.numpy())
+    except RuntimeError as exc:
+        raise GroupBroken(f"broadcast failed: {exc}") from exc
 
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on the older releases the range admits.

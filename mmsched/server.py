@@ -27,7 +27,7 @@ from .config import Config
 from .engine import ReferenceEngine
 from .errors import ConfigError, describe
 from .faults import Faults
-from .group import GlooGroup, SoloGroup
+from .group import GlooGroup, RingGroup, SoloGroup
 from .lane import Lane
 from .log import event
 from .rank import Follower, Leader
@@ -55,6 +55,8 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         return 3
     try:
         topology = Topology.single() if world == 1 else Topology.discover(rank, world)
+        if world > 1:
+            group = RingGroup(group, topology.hosts, cfg.shm_prefix, cfg.collective_timeout)
     except Exception as exc:
         event("group_init_failed", logging.ERROR, error=describe(exc))
         return 3

@@ -1,0 +1,189 @@
+"""The same-host batch ring (mmsched.ring) with real processes and real /dev/shm segments,
+then in a real tp=2 group.
+
+What a user would notice if it were wrong:
+- a message bigger than the whole ring arrives byte for byte (the overflow path);
+- a reader that stalls (SIGSTOP) or dies (SIGKILL) while the leader waits for a slot ends
+  in GroupBroken within the deadline, not a hang; a reader whose leader died ends too;
+- a leader killed before it unlinked the ring leaves a segment the orphan sweep reclaims
+  (and a live leader's ring is locked: the sweep leaves it alone);
+- in a tp=2 group, a 1 MiB inline batch (twice the ring) reaches the follower with the
+  client's bytes, and a stopped follower breaks the group within ``collective_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import multiprocessing as mp
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+from mmsched import ring as ringmod
+from mmsched.client import Client, inline
+from mmsched.errors import GroupBroken
+from mmsched.ring import Ring
+from mmsched.sweep import sweep
+
+from ..conftest import pid_alive as alive
+from .lifecycle import feature, sha256_of, wait_until
+from .test_group import private_server  # noqa: F401 - the fixture: a group this test breaks
+
+PREFIX = "mmsched_"
+BIG = 2 * ringmod.SLOTS * ringmod.SLOT_BYTES + 12345  # spans the ring twice over
+CTX = mp.get_context("fork")  # pure-Python readers: no torch state to re-import
+
+
+def _name() -> str:
+    return f"{PREFIX}{os.getpid()}_ring_test{time.monotonic_ns() % 10**9}"
+
+
+def _reader(name: str, readers: int, index: int, count: int, out, stop_after: int | None = None) -> None:
+    r = Ring.attach(name, readers, index, timeout_s=10)
+    for i in range(count):
+        if stop_after is not None and i == stop_after:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        out.send(hashlib.sha256(r.read()).hexdigest())  # a pipe: sent before the reader stops itself
+    r.close()
+
+
+def _get(conn, timeout: float = 20.0) -> str:
+    assert conn.poll(timeout), "the reader sent nothing"
+    return conn.recv()
+
+
+def _messages() -> list[bytes]:
+    return [b"x", os.urandom(BIG), os.urandom(ringmod.PAYLOAD), os.urandom(ringmod.PAYLOAD + 1), b"end"]
+
+
+def test_messages_of_any_size_arrive_byte_for_byte_to_every_reader():
+    name, msgs = _name(), _messages()
+    w = Ring.create(name, readers=2, timeout_s=10)
+    pipes = [CTX.Pipe(duplex=False) for _ in range(2)]
+    procs = [CTX.Process(target=_reader, args=(name, 2, i, len(msgs), pipes[i][1])) for i in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        w.peers = [p.pid for p in procs]
+        time.sleep(0.5)  # both mapped (a reader attaching late would miss nothing: it reads from 0)
+        w.unlink()
+        for m in msgs:
+            w.write(m)
+        want = [hashlib.sha256(m).hexdigest() for m in msgs]
+        for got, _ in pipes:
+            assert [_get(got) for _ in msgs] == want
+    finally:
+        w.close()
+        for p in procs:
+            p.join(10)
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+@pytest.mark.parametrize("how", ["stall", "die"])
+def test_leader_waiting_on_a_stalled_or_dead_reader_breaks_within_the_deadline(how):
+    name, (got, out) = _name(), CTX.Pipe(duplex=False)
+    w = Ring.create(name, readers=1, timeout_s=2.0)
+    p = CTX.Process(target=_reader, args=(name, 1, 0, 3, out, 1))  # reads one message, then stops
+    try:
+        p.start()
+        w.peers = [p.pid]
+        w.write(b"first")
+        assert _get(got) == hashlib.sha256(b"first").hexdigest()
+        wait_until(lambda: _stopped(p.pid), 10, "the reader stops itself")
+        if how == "die":
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(GroupBroken, match="ring reader 0"):
+            w.write(os.urandom(BIG))  # more than the ring holds: the leader must wait for the reader
+        waited = time.monotonic() - t0
+        assert waited < 2.0 + 1.0, waited
+        if how == "die":
+            assert waited < 1.0, waited  # a dead reader is seen at the next tick, not at the deadline
+    finally:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+        w.close()
+
+
+def test_a_reader_whose_leader_died_breaks():
+    name = _name()
+    ready = CTX.Event()
+
+    def leader():
+        Ring.create(name, readers=1, timeout_s=30)
+        ready.set()
+        time.sleep(60)
+
+    p = CTX.Process(target=leader)
+    p.start()
+    try:
+        assert ready.wait(20)
+        r = Ring.attach(name, readers=1, index=0, timeout_s=30)
+        r.peers = [p.pid]
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(GroupBroken, match="the leader is gone"):
+            r.read()
+        assert time.monotonic() - t0 < 2.0
+        r.close()
+    finally:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+        # 3. the killed leader never unlinked its ring: the sweep reclaims it, as for any orphan
+        assert os.path.exists(f"/dev/shm/{name}")
+        report = sweep(PREFIX, grace_s=0)
+        assert name in report.reclaimed and not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_a_live_leaders_ring_is_locked_against_the_sweep():
+    name = _name()
+    w = Ring.create(name, readers=1, timeout_s=5)
+    try:
+        report = sweep(PREFIX, grace_s=0)
+        assert name in report.locked and os.path.exists(f"/dev/shm/{name}")
+    finally:
+        w.close()
+    assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+# ---------------------------------------------------------------- in a real tp=2 group
+
+async def test_big_batch_arrives_then_a_stopped_follower_breaks_the_group(private_server):
+    timeout = 4.0
+    srv = private_server("--tp", "2", "--collective-timeout", str(timeout))
+    pids = srv.rank_pids()
+    # the leader unlinked its ring once the follower mapped it: a kill -9 from now on leaves nothing
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"{PREFIX}{pids[0]}_ring_")]
+    big = feature(70, shape=(512, 512))  # 1 MiB inline: the batch spans the ring twice
+    async with Client(srv.addr) as c:
+        r = await c.request("embed", [1, 2], [inline(big)], rid="big-1", want_digest=True, timeout=60)
+        assert r.status == 200, r
+        assert r.meta["digests"] == [sha256_of(big)] and r.meta["ranks"] == 2
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            r = await c.request("embed", [3], [inline(big)], rid="big-2", timeout=timeout + 10)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+    assert r.status == 500 and "broken" in r.message, r
+    assert took < timeout + 3, took
+    # the ring's wait or the lane's deadline around it, whichever runs out first, broke the group
+    assert re.search(r"group_broken.*(ring reader 0|deadline)", srv.logs()), srv.logs()[-3000:]
+    assert srv.proc.wait(timeout=timeout + 10) != 0
+    wait_until(lambda: not any(alive(p) for p in pids), 10, "every rank process exits")
+
