@@ -71,6 +71,9 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     except ConfigError as exc:
         event("config_error", logging.ERROR, error=str(exc))
         return 2
+    except Exception as exc:  # the engine's group, or the agreement on it, failed
+        event("group_init_failed", logging.ERROR, error=describe(exc))
+        return 3
     lane = Lane(cfg.collective_timeout)
     runner = BatchRunner(group, engine, Faults(cfg.faults, rank), unlinks=(rank == 0),
                          sessions=SessionStore(cfg.session_max_bytes, cfg.session_max_count, cfg.session_max_features),
