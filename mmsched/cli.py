@@ -14,7 +14,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML config file")
     for name, f in config_mod.FIELDS.items():
         flag = "--" + name.replace("_", "-")
-        kind = type(f.default) if not isinstance(f.default, type(config_mod.dataclasses.MISSING)) else list
+        kind = f.metadata["kind"]
         default = f.default_factory() if kind is list else f.default
         choices = f.metadata["choices"]
         help = (f"{f.metadata['help']}" + (f"; one of {', '.join(choices)}" if choices else "")
@@ -24,7 +24,8 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         elif kind is bool:
             p.add_argument(flag, action="store_const", const=True, default=None, help=help)
         else:
-            p.add_argument(flag, type=kind, metavar=name.upper(), help=help, choices=choices)
+            p.add_argument(flag, type=config_mod.parse_table if kind is dict else kind, metavar=name.upper(),
+                           help=help, choices=choices)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         if placed is None or placed[0] == 0:  # only the leader binds the frontend and the admin port
             check_frontend(cfg)
             check_admin(cfg.admin)
+        from .engine import resolve
+
+        resolve(cfg.engine)  # a spec that names no module or no factory stops us before any rank starts
     except ConfigError as exc:
         print(f"mmsched: config error: {exc}", file=sys.stderr)
         return 2

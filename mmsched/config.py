@@ -25,8 +25,8 @@ from .protocol import Limits
 
 def _opt(default: Any, help: str, lo: float | None = None, hi: float | None = None,
          choices: tuple | None = None):
-    kw = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
-    return field(metadata={"help": help, "lo": lo, "hi": hi, "choices": choices}, **kw)
+    kw = {"default_factory": lambda: type(default)(default)} if isinstance(default, (list, dict)) else {"default": default}
+    return field(metadata={"help": help, "lo": lo, "hi": hi, "choices": choices, "kind": type(default)}, **kw)
 
 
 @dataclass
@@ -67,7 +67,11 @@ class Config:
     max_new_tokens: int = _opt(4096, "largest params.max_new_tokens accepted", 1, 1 << 20)
     max_params_bytes: int = _opt(64 << 10, "most bytes params may take in a request's header (MessagePack)", 0, 1 << 30)
     max_params_items: int = _opt(4096, "most elements (keys, values, array entries) params may hold", 0, 1 << 24)
-    seed: int = _opt(0, "seed of the reference engine's weights", 0, 2**31 - 1)
+    seed: int = _opt(0, "seed of the engine's weights (EngineContext.seed)", 0, 2**31 - 1)
+    engine: str = _opt("mmsched.engines.reference:ReferenceEngine", "the engine plug-in, module:factory; "
+                       "the factory gets an EngineContext (docs/engines.md)")
+    engine_options: dict = _opt({}, "a table passed to the engine's factory as EngineContext.options "
+                                "([engine_options] in a file; an inline table like {layers = 2} as a flag)")
 
     @property
     def limits(self) -> Limits:
@@ -104,14 +108,33 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table: valid among the top-level keys
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return repr(v)
+
+
+def parse_table(text: str) -> dict:
+    """A TOML inline table given as text (``{layers = 2}``), for the environment and flags."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        raise ValueError(f"must be a TOML inline table like {{layers = 2}}, not {text!r}") from None
+
+
+def _toml_key(k: str) -> str:
+    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_value(k)
 
 
 def _coerce(name: str, value: Any, from_text: bool) -> Any:
     f = FIELDS[name]
-    kind = type(f.default) if f.default is not dataclasses.MISSING else list
+    kind = f.metadata["kind"]
     try:
-        if kind is bool:
+        if kind is dict:
+            if from_text:
+                value = parse_table(value)
+            if not isinstance(value, dict):
+                raise ValueError("must be a table")
+        elif kind is bool:
             if from_text:
                 low = str(value).strip().lower()
                 if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):

@@ -3,8 +3,10 @@
 Used by tests and failure drills. ``release`` faults are raised and logged like a real
 close/unlink failure, after which the real release still runs, so a drill leaves
 /dev/shm clean while proving the request's result does not depend on its release.
-``stall`` makes the rank sleep (``stall_s``) before its engine collective, holding its
-peers inside it: the drill for slow collectives and for the collective deadline.
+``engine`` and ``stall`` are injected by the runner around any engine (step/engine_step.py),
+which knows nothing of faults: ``engine`` makes the rank report that request failed;
+``stall`` makes it sleep (``stall_s``) after the engine step, before the runner's
+agreement, holding its peers inside it: the drill for slow collectives and the deadline.
 ``hold`` makes the rank sleep (``stall_s``) while materializing that request, before the
 leader looks for its abort: the drill for a request caught between broadcast and consensus.
 ``corrupt`` flips the first byte of each feature the rank materializes (a copy: shared

@@ -18,13 +18,15 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from . import log
 from .batch import BatchRunner
 from .config import Config
-from .engine import ReferenceEngine
+from .engine import EngineContext, load_engine
 from .errors import ConfigError, describe
 from .faults import Faults
 from .group import GlooGroup, RingGroup, SoloGroup
@@ -66,11 +68,18 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         idle = [str(f) for f in cfg.faults if f.rank >= world]
         event("faults_active", logging.WARNING, faults=",".join(cfg.fault), stall_s=cfg.stall_s,
               **({"never_fire": ",".join(idle)} if idle else {}))
+    try:
+        engine = start_engine(cfg, group)
+    except ConfigError as exc:
+        event("config_error", logging.ERROR, error=str(exc))
+        return 2
+    except Exception as exc:  # the engine's group, or the agreement on it, failed
+        event("group_init_failed", logging.ERROR, error=describe(exc))
+        return 3
     lane = Lane(cfg.collective_timeout)
-    engine = ReferenceEngine(rank, world, seed=cfg.seed, stall_s=cfg.stall_s)
     runner = BatchRunner(group, engine, Faults(cfg.faults, rank), unlinks=(rank == 0),
                          sessions=SessionStore(cfg.session_max_bytes, cfg.session_max_count, cfg.session_max_features),
-                         topology=topology)
+                         topology=topology, stall_s=cfg.stall_s)
     try:
         code = _run_loop(cfg, runner, lane, rank, world)
     except ConfigError as exc:  # found only when binding: a port in use, a socket path not writable
@@ -82,6 +91,26 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     lane.close()
     group.close()
     return code
+
+
+def start_engine(cfg: Config, group):
+    """The engine of ``cfg.engine`` with its own process group over all ranks (gloo; None at
+    world 1). Whether every rank built it is agreed (one collective at start), so a factory
+    that fails on one rank stops them all with exit 2 rather than leaving the others waiting."""
+    world = group.world
+    engine_group = None if world == 1 else dist.new_group(
+        list(range(world)), backend="gloo", timeout=timedelta(seconds=cfg.collective_timeout))
+    ctx = EngineContext(rank=group.rank, world=world, group=engine_group, seed=cfg.seed,
+                        options=dict(cfg.engine_options))
+    engine, problem = None, None
+    try:
+        engine = load_engine(cfg.engine, ctx)
+    except ConfigError as exc:
+        problem = f"rank {group.rank}: {exc}"
+    problems = [p for p in group.all_gather_object(problem) if p]
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return engine
 
 
 FD_RESERVE = 1024  # sockets, gloo, shared libraries, the pool and ack-board caches

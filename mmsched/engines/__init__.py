@@ -1,0 +1,1 @@
+"""Engines that ship with mmsched, each a plug-in like any other (``--engine module:factory``)."""

@@ -1,0 +1,120 @@
+"""How many collectives one batch costs at tp = 2: a real gloo group of two rank processes
+running ``BatchRunner`` with the reference engine, every collective counted.
+
+Before the engine plug-in a text-only batch paid three: the batch broadcast, the
+consensus all-gather and the engine's all-gather (the flags rode in it). The runner now
+agrees engine failures itself, after the step; a batch without feature items pays for
+that by skipping the materialization consensus, so it still pays three.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+
+import numpy as np
+
+TODAY_TEXT_ONLY = 3  # broadcast + consensus all-gather + engine all-gather, on main before the split
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CountingGroup:
+    """Our Group, every collective counted by name."""
+
+    def __init__(self, inner, counts: dict):
+        self.inner, self.counts = inner, counts
+        self.rank, self.world = inner.rank, inner.world
+
+    def _count(self, name: str, *args):
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return getattr(self.inner, name)(*args)
+
+    def broadcast(self, payload):
+        return self._count("broadcast", payload)
+
+    def all_gather(self, t):
+        return self._count("all_gather", t)
+
+    def all_gather_object(self, obj):
+        return self._count("all_gather_object", obj)
+
+
+def _batches():
+    from mmsched.batch import Batch
+    from mmsched.protocol import Item, Request
+
+    def req(rid, items=()):
+        return Request(rid=rid, type="generate", input_ids=np.arange(1, 6, dtype="<i4"), items=list(items),
+                       max_new_tokens=4)
+
+    inline = Item(index=0, modality="image", transport="inline", dtype="float32", shape=(4,), nbytes=16,
+                  payload=bytes(range(16)))
+    return {"text": Batch(1, [req("t1"), req("t2")]), "feature": Batch(2, [req("t3"), req("f1", [inline])])}
+
+
+def _rank(rank: int, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    import torch.distributed as dist
+
+    from mmsched.batch import Batch, BatchRunner
+    from mmsched.config import Config
+    from mmsched.faults import NO_FAULTS
+    from mmsched.group import GlooGroup
+    from mmsched.server import start_engine
+    from mmsched.sessions import SessionStore
+
+    group = GlooGroup(rank, 2, "env://", 60.0)
+    engine = start_engine(Config(), group)
+    counts: dict = {}
+    for name in ("all_gather_into_tensor", "all_gather_single", "all_reduce", "broadcast", "all_gather"):
+        real = getattr(dist, name, None)
+        if real is not None:  # the engine's own collectives: those on its process group
+            def counted(*a, _real=real, _name=name, **kw):
+                if kw.get("group") is engine.group:
+                    counts[f"engine.{_name}"] = counts.get(f"engine.{_name}", 0) + 1
+                return _real(*a, **kw)
+            setattr(dist, name, counted)
+    runner = BatchRunner(CountingGroup(group, counts), engine, NO_FAULTS, unlinks=rank == 0,
+                         sessions=SessionStore(1 << 20, 16, 16))
+    report = {}
+    for kind, batch in _batches().items():
+        counts.clear()
+        payload = runner.group.broadcast(batch.encode() if rank == 0 else None)  # as Leader/Follower do
+        results, _ = runner.run(Batch.decode(payload))
+        report[kind] = (sum(counts.values()), dict(counts), [(r["status"], r["output"]) for r in results])
+    out.put((rank, report))
+    group.close()
+
+
+def test_a_text_only_batch_pays_no_more_collectives_than_before():
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        reports = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for rank, report in reports.items():
+        total, counts, _ = report["text"]
+        assert total == TODAY_TEXT_ONLY, (rank, counts)
+        assert counts == {"broadcast": 1, "all_gather": 1, "engine.all_gather_into_tensor": 1} or \
+            counts == {"broadcast": 1, "all_gather": 1, "engine.all_gather_single": 1}, (rank, counts)
+        total, counts, _ = report["feature"]  # a feature can fail to materialize: one consensus more
+        assert total == TODAY_TEXT_ONLY + 1, (rank, counts)
+    leader = reports[0]
+    assert [s for s, _ in leader["text"][2]] == [200, 200]
+    assert [s for s, _ in leader["feature"][2]] == [200, 200]
+    assert all(len(o["output_ids"]) == 4 for _, o in leader["text"][2] + leader["feature"][2])
+    assert reports[1]["text"][2] == [], "a follower renders no results"

@@ -1,0 +1,54 @@
+"""The lane's deadline: a call that overruns it breaks the group, and the lane refuses
+every later call at once (a thread, no sockets, no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from mmsched.errors import GroupBroken
+from mmsched.lane import Lane
+
+
+def test_a_call_within_the_deadline_returns_its_value():
+    lane = Lane(5.0)
+    assert asyncio.run(lane.run(lambda a, b: a + b, 2, 3)) == 5
+    assert lane.broken is None and lane.stuck_for() == 0.0
+    lane.close()
+
+
+def test_an_overrun_is_group_broken_and_later_calls_are_refused():
+    lane, release = Lane(0.2), threading.Event()
+
+    async def scenario():
+        t0 = time.monotonic()
+        with pytest.raises(GroupBroken, match="passed its 0.2s deadline"):
+            await lane.run(release.wait, 30)
+        assert time.monotonic() - t0 < 5, "the deadline, not the call, ended the wait"
+        ran = []
+        with pytest.raises(GroupBroken, match="deadline"):
+            await lane.run(ran.append, 1)
+        assert ran == [], "a broken lane runs nothing more"
+
+    asyncio.run(scenario())
+    release.set()
+    lane.close()
+
+
+def test_a_call_that_raises_breaks_the_lane_with_its_error():
+    lane = Lane(5.0)
+
+    def boom():
+        raise RuntimeError("gloo: connection reset")
+
+    async def scenario():
+        with pytest.raises(GroupBroken, match="RuntimeError: gloo: connection reset"):
+            await lane.run(boom)
+        with pytest.raises(GroupBroken):
+            await lane.run(lambda: 1)
+
+    asyncio.run(scenario())
+    lane.close()

@@ -1,0 +1,155 @@
+"""The pure parts of a batch's step: ``decide`` (every outcome and their order), the engine
+step's verdict (with a group of one: no sockets, no processes), and ``render``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mmsched.consensus import ABORTED, FAILED, Verdict
+from mmsched.engine import EngineRequest
+from mmsched.faults import NO_FAULTS, Fault, Faults
+from mmsched.group import SoloGroup
+from mmsched.step.engine_step import run_engine
+from mmsched.step.outcome import ENGINE, MATERIALIZE, Aborted, Failed, Gate, Ok, Refused, decide, render
+
+
+def verdict(*rank_flags: list[int], errors=None) -> Verdict:
+    """A verdict as the consensus would hand it over: flags[rank][request]."""
+    return Verdict(np.array(rank_flags, dtype=np.int64), errors, None)
+
+
+# ---------------------------------------------------------------- decide
+
+def test_every_outcome_in_one_batch():
+    # requests: 0 aborted, 1 failed on rank 1, 2 refused, 3 digest mismatch on rank 1,
+    # then survivors 4..6: aborted in the engine step, failed in it on rank 0, ok
+    mat = verdict([ABORTED, 0, 0, 0, 0, 0, 0], [0, FAILED, 0, 0, 0, 0, 0],
+                  errors=[{}, {1: "FileNotFoundError: gone"}])
+    gate = Gate(7, mat, {2: "session full"}, [[], [], [], [1], [], [], []])
+    assert gate.survivors() == [4, 5, 6]
+    eng = verdict([ABORTED, FAILED, 0], [0, 0, 0], errors=[{1: "ValueError: nan"}, {}])
+    out = decide(gate, eng, [None, None, {"output_ids": [1]}], [None, None, None, None, None, None, ["d"]])
+    assert out == [
+        Aborted(MATERIALIZE),
+        Failed(MATERIALIZE, [1], "rank 1: FileNotFoundError: gone"),
+        Refused("session full"),
+        Failed(MATERIALIZE, [1], "rank 1: DigestMismatch: bytes differ from rank 0's"),
+        Aborted(ENGINE),
+        Failed(ENGINE, [0], "rank 0: ValueError: nan"),
+        Ok({"output_ids": [1]}, ["d"]),
+    ]
+
+
+@pytest.mark.parametrize("facts, expected", [
+    # aborted > failed: the leader's abort wins over a failure on another rank
+    (dict(flags=[[ABORTED], [FAILED]]), Aborted(MATERIALIZE)),
+    # failed > refused > mismatch
+    (dict(flags=[[0], [FAILED]], refused={0: "full"}, mismatch=[[1]]), Failed(MATERIALIZE, [1], "rank 1: unknown error")),
+    (dict(flags=[[0], [0]], refused={0: "full"}, mismatch=[[1]]), Refused("full")),
+    # mismatch > anything the engine says (the request never reaches it)
+    (dict(flags=[[0], [0]], mismatch=[[1]]), Failed(MATERIALIZE, [1], "rank 1: DigestMismatch: bytes differ from rank 0's")),
+    # engine aborted > engine failed
+    (dict(flags=[[0], [0]], engine=[[ABORTED], [FAILED]]), Aborted(ENGINE)),
+    (dict(flags=[[0], [0]], engine=[[0], [FAILED]]), Failed(ENGINE, [1], "rank 1: unknown error")),
+    (dict(flags=[[0], [0]], engine=[[0], [0]]), Ok({"x": 1}, None)),
+])
+def test_the_order_of_outcomes(facts, expected):
+    gate = Gate(1, verdict(*facts["flags"]), facts.get("refused", {}), facts.get("mismatch", [[]]))
+    eng = verdict(*facts.get("engine", [[0], [0]]))
+    assert decide(gate, eng if gate.survivors() else None, [{"x": 1}], [None]) == [expected]
+
+
+def test_a_batch_that_skipped_the_consensus_reports_early_aborts_as_materialize():
+    gate = Gate(2, None, {}, [[], []])
+    assert gate.survivors() == [0, 1]
+    eng = verdict([ABORTED, ABORTED])
+    assert decide(gate, eng, [None, None], [None, None], early_aborts=frozenset({0})) == [
+        Aborted(MATERIALIZE), Aborted(ENGINE)]
+
+
+def test_render_keeps_the_result_format():
+    assert render("r", Ok({"output_ids": [3]}, ["ab"]), 2)["meta"] == {"ranks": 2, "digests": ["ab"]}
+    assert render("r", Ok({}, None), 1)["meta"] == {"ranks": 1}
+    failed = render("r", Failed(ENGINE, [1], "rank 1: ValueError: x"), 2)
+    assert (failed["status"], failed["message"], failed["meta"]) == (
+        500, "Engine step failed (rank 1: ValueError: x)", {"failed_ranks": [1], "stage": "engine"})
+    failed = render("r", Failed(MATERIALIZE, [0], "rank 0: E: y"), 2)
+    assert failed["message"] == "Multimodal feature reconstruction failed (rank 0: E: y)"
+    assert render("r", Aborted(ENGINE), 2)["status"] == 499
+    assert render("r", Refused("full"), 2)["status"] == 503
+
+
+# ---------------------------------------------------------------- the engine step's verdict
+
+def requests(*rids: str) -> list[EngineRequest]:
+    return [EngineRequest(rid, "generate", np.arange(3, dtype=np.int64), [], [], 2, {}) for rid in rids]
+
+
+class Engine:
+    def __init__(self, outs=None, raises=None):
+        self.outs, self.raises, self.seen = outs, raises, None
+
+    def step(self, reqs):
+        self.seen = [r.rid for r in reqs]
+        if self.raises:
+            raise self.raises
+        return self.outs if self.outs is not None else [{"ok": r.rid} for r in reqs]
+
+
+def step(engine, rids=("a", "b", "c"), faults=NO_FAULTS, aborted=lambda j: None):
+    return run_engine(SoloGroup(), engine, faults, 0.0, requests(*rids), aborted)
+
+
+def test_a_per_request_exception_fails_that_request_only():
+    s = step(Engine([{"o": 1}, ValueError("bad row"), {"o": 3}]))
+    assert [s.verdict.ok(j) for j in range(3)] == [True, False, True]
+    assert s.verdict.message(1) == "rank 0: ValueError: bad row"
+    assert s.outputs == [{"o": 1}, None, {"o": 3}] and s.failures == 1
+
+
+def test_a_raising_step_fails_every_request_with_its_error():
+    s = step(Engine(raises=RuntimeError("out of memory")))
+    assert s.failures == 3 and all(s.verdict.message(j) == "rank 0: RuntimeError: out of memory" for j in range(3))
+
+
+def test_a_wrong_return_is_an_engine_failure_not_a_crash():
+    s = step(Engine([{"o": 1}]))  # one output for three requests
+    assert s.failures == 3 and "3 requests" in s.verdict.message(0)
+    s = step(Engine([{"o": 1}, None, {"o": 3}]))
+    assert [s.verdict.ok(j) for j in range(3)] == [True, False, True]
+    assert "TypeError" in s.verdict.message(1)
+
+
+def test_the_engine_drill_is_injected_by_the_runner():
+    engine = Engine()
+    s = step(engine, faults=Faults([Fault.parse("0:engine:b")], 0))
+    assert engine.seen == ["a", "b", "c"], "the engine still sees every request"
+    assert s.verdict.message(1) == "rank 0: InjectedFault: injected engine fault on rank 0"
+    assert [s.verdict.ok(j) for j in range(3)] == [True, False, True]
+
+
+def test_late_aborts_are_agreed_after_the_step_and_an_early_one_wins_over_a_failure():
+    s = step(Engine([ValueError("x"), ValueError("y"), {"o": 3}]),
+             aborted=lambda j: ["early", "late", "late"][j])
+    assert [s.verdict.aborted(j) for j in range(3)] == [True, False, True]
+    assert s.verdict.failed_ranks(1) == [0]  # a late abort does not hide a failure
+    assert s.outputs == [None, None, None]
+
+
+def test_the_agreement_is_one_collective_with_two_only_on_failure():
+    class Counting(SoloGroup):
+        calls = 0
+
+        def all_gather(self, t):
+            Counting.calls += 1
+            return super().all_gather(t)
+
+        def all_gather_object(self, obj):
+            Counting.calls += 1
+            return super().all_gather_object(obj)
+
+    run_engine(Counting(), Engine(), NO_FAULTS, 0.0, requests("a"), lambda j: None)
+    assert Counting.calls == 1
+    run_engine(Counting(), Engine([ValueError("x")]), NO_FAULTS, 0.0, requests("a"), lambda j: None)
+    assert Counting.calls == 3
