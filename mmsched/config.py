@@ -11,7 +11,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 try:
     import tomllib
@@ -68,6 +68,8 @@ class Config:
     max_params_bytes: int = _opt(64 << 10, "most bytes params may take in a request's header (MessagePack)", 0, 1 << 30)
     max_params_items: int = _opt(4096, "most elements (keys, values, array entries) params may hold", 0, 1 << 24)
     seed: int = _opt(0, "seed of the reference engine's weights", 0, 2**31 - 1)
+    engine: str = _opt("", "engine plug-in module:factory, e.g. mmsched.engines.hf:HFEngine (empty: the reference engine)")
+    engine_options: ClassVar[dict] = {}  # TEMPORARY (issue 14 bridge): the TOML table [engine_options]
 
     @property
     def limits(self) -> Limits:
@@ -172,6 +174,9 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None,
             raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config: {path} is not valid TOML: {exc}") from exc
+        options = doc.pop("engine_options", {})  # TEMPORARY (issue 14 bridge)
+        if not isinstance(options, dict):
+            raise ConfigError(f"engine_options: must be a table in {path}")
         for k, v in doc.items():
             if k not in FIELDS:
                 raise ConfigError(f"{k}: unknown setting in {path}")
@@ -187,6 +192,8 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None,
             raise ConfigError(f"{k}: unknown setting")
         values[k] = _coerce(k, v, from_text=False)
     cfg = Config(**values)
+    if path:
+        cfg.engine_options = options  # TEMPORARY (issue 14 bridge)
     cfg.faults  # noqa: B018 - parses every fault spec; a bad one names itself
     if not cfg.frontend.startswith(("ipc://", "tcp://")) or cfg.frontend in ("ipc://", "tcp://"):
         raise ConfigError(f"frontend: {cfg.frontend!r} is not an ipc:// or tcp:// address")

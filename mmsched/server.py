@@ -65,7 +65,16 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         event("faults_active", logging.WARNING, faults=",".join(cfg.fault), stall_s=cfg.stall_s,
               **({"never_fire": ",".join(idle)} if idle else {}))
     lane = Lane(cfg.collective_timeout)
-    engine = ReferenceEngine(rank, world, seed=cfg.seed, stall_s=cfg.stall_s)
+    if cfg.engine:  # TEMPORARY (issue 14 bridge): the plug-in runner of issue 12 replaces this
+        from .engines._bridge import bridged
+
+        try:
+            engine = bridged(cfg, rank, world)
+        except ConfigError as exc:
+            event("config_error", logging.ERROR, error=str(exc))
+            return 2
+    else:
+        engine = ReferenceEngine(rank, world, seed=cfg.seed, stall_s=cfg.stall_s)
     runner = BatchRunner(group, engine, Faults(cfg.faults, rank), unlinks=(rank == 0),
                          sessions=SessionStore(cfg.session_max_bytes, cfg.session_max_count, cfg.session_max_features),
                          topology=topology)

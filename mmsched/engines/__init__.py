@@ -1,0 +1,1 @@
+"""Engine plug-ins: ``hf`` (a transformers vision-language model, extra ``mmsched[hf]``)."""
