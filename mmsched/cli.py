@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--grace", type=float, default=None, metavar="S", help="minimum age in seconds")
     sw.add_argument("--dry-run", action="store_true", help="list what would be reclaimed, unlink nothing")
     sw.add_argument("--config", metavar="FILE", help="TOML config file")
+    from .worker.cli import add_flags as add_worker_flags
+
+    add_worker_flags(sub.add_parser("worker", help="the tokenizer worker: OpenAI-style HTTP in front of mmsched "
+                                    "(needs mmsched[hf])"))
     _add_loadtest_flags(sub.add_parser("loadtest", help="drive a frontend with a seeded request mix; "
                                        "report latency, statuses, lost results and leaks"))
     return parser
@@ -64,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         return _sweep(args)
     if args.command == "loadtest":
         return _loadtest(args)
+    if args.command == "worker":
+        from .worker.cli import main as worker_main
+
+        return worker_main(args)
     if args.command == "keygen":
         from .auth import keygen
 

@@ -110,6 +110,14 @@ class HFEngine:
 
         padded = torch.full((max(self.widths),), float("-inf"))
         padded[: local.shape[0]] = local
-        gathered = torch.empty(self.ctx.world, padded.shape[0])
-        dist.all_gather_into_tensor(gathered, padded, group=self.ctx.group)
+        gathered = torch.empty(self.ctx.world * padded.shape[0])
+        _all_gather_single(gathered, padded, group=self.ctx.group)
+        gathered = gathered.view(self.ctx.world, -1)
         return int(torch.argmax(torch.cat([gathered[r, :w] for r, w in enumerate(self.widths)])))
+
+
+def _all_gather_single(out, t, group):
+    import torch.distributed as dist
+
+    # torch 2.13 renamed all_gather_into_tensor (mmsched.group does the same)
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, t, group=group)
