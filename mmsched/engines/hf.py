@@ -19,7 +19,9 @@ import torch
 
 from ..errors import ConfigError
 
-SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "hf-tiny"
+# The tiny model's files: configs/hf-tiny in a checkout; the image copies them to /etc/mmsched.
+SHIPPED = next((p for p in (Path(__file__).resolve().parents[2] / "configs" / "hf-tiny", Path("/etc/mmsched/hf-tiny"))
+                if p.is_dir()), Path("configs/hf-tiny"))
 
 
 def load_model(model_dir: str, seed: int):
