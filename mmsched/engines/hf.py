@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +58,7 @@ class HFEngine:
         self.widths = [r.shape[0] for r in rows]
 
     def step(self, requests) -> list:
-        outputs = []
+        t0, outputs = time.perf_counter(), []
         for req in requests:
             try:  # deterministic checks, before any collective: every rank refuses the same requests
                 ids, pixels = self._inputs(req)
@@ -67,7 +68,8 @@ class HFEngine:
             with torch.inference_mode():
                 outputs.append(self._embed(ids, pixels) if req.type == "embed"
                                else self._generate(ids, pixels, req.max_new_tokens))
-        return outputs
+        step_s = round(time.perf_counter() - t0, 6)  # the batch's whole step: the worker's timing split
+        return [o if isinstance(o, Exception) else dict(o, engine_s=step_s) for o in outputs]
 
     def _inputs(self, req) -> tuple[torch.Tensor, torch.Tensor | None]:
         ids = torch.from_numpy(np.asarray(req.input_ids, dtype=np.int64)).reshape(1, -1)

@@ -91,7 +91,8 @@ class Worker:
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
             "usage": {"prompt_tokens": len(prepared.input_ids), "completion_tokens": len(ids),
                       "total_tokens": len(prepared.input_ids) + len(ids)},
-        }, headers={"X-Mmsched-Seconds": f"{time.perf_counter() - t0:.6f}"})
+        }, headers={"X-Mmsched-Seconds": f"{time.perf_counter() - t0:.6f}",  # sent to answered
+                    "X-Engine-Seconds": str(res.output.get("engine_s", ""))})
 
     def _abandon(self, rid: str, fut: asyncio.Future) -> None:
         """Abort inside mmsched, then wait for its one result (which frees the pooled slice)."""
