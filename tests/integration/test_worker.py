@@ -158,3 +158,16 @@ def test_a_caller_who_hangs_up_is_a_499_inside_mmsched(stack):
         time.sleep(0.2)
     status, _ = post(worker.port, chat(png()))  # the worker keeps serving
     assert status == 200
+
+
+def test_the_readme_curl_example_runs_as_written(stack, tmp_path):
+    """The README's ```bash block that calls curl, run in bash with the venv first on PATH;
+    only the worker's address is changed."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = next(b for b in re.findall(r"^```bash\n(.*?)^```", readme, re.S | re.M) if "curl " in b)
+    script = block.replace("127.0.0.1:8000", f"127.0.0.1:{stack[2][1].port}")
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path)}
+    out = subprocess.run(["bash", "-ec", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] >= 1, answer
