@@ -28,6 +28,7 @@ import tempfile
 import time
 import uuid
 
+PREFIX = "mmbench_"  # its own segments: the server's sweep never touches another run's
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -98,10 +99,10 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MMSCHED_")}
     log = tempfile.TemporaryFile()
     procs = [subprocess.Popen([sys.executable, "-m", "mmsched", "serve", "--frontend", addr, "--tp", str(args.tp),
-                               "--engine", "mmsched.engines.hf:HFEngine"], cwd=ROOT, env=env, stdout=log,
+                               "--engine", "mmsched.engines.hf:HFEngine", "--shm-prefix", PREFIX], cwd=ROOT, env=env, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True),
              subprocess.Popen([sys.executable, "-m", "mmsched", "worker", "--frontend", addr, "--listen",
-                               f"127.0.0.1:{port}"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)]
+                               f"127.0.0.1:{port}", "--shm-prefix", PREFIX], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)]
     try:
         wait_http(port, procs[1])
         rows, wall = asyncio.run(drive(port, args.requests, args.concurrency, body(args.max_tokens)))

@@ -111,10 +111,14 @@ def stack(tmp_path_factory):
             workers[tp].wait_ready()
         yield {tp: (servers[tp], workers[tp], admins[tp]) for tp in (1, 2)}
     finally:
+        for proc in [w.proc for w in workers.values()] + [s.proc for s in servers.values()]:
+            proc.terminate()  # all at once: the drains overlap
         for w in workers.values():
             w.stop()
         for srv in servers.values():
             srv.__exit__(None, None, None)
+    codes = {tp: srv.proc.returncode for tp, srv in servers.items()}
+    assert codes == {1: 0, 2: 0}, f"a group did not drain and exit 0 after serving: {codes}"
 
 
 def test_a_png_gets_text_and_tp1_and_tp2_agree(stack):
