@@ -25,6 +25,10 @@ def request(rid="r", type="generate", images=1, n=6, pixels=None):
     return EngineRequest(rid, type, ids, pixels, ["image"] * len(pixels), n, {})
 
 
+def tokens(engine, *reqs) -> list[list[int]]:
+    return [out["output_ids"] for out in engine.step(list(reqs))]
+
+
 @pytest.fixture(scope="module")
 def engine():
     return HFEngine(EngineContext(0, 1, None, 0, {}))
@@ -32,14 +36,14 @@ def engine():
 
 def test_generate_is_greedy_and_repeatable_and_embed_is_a_unit_vector(engine):
     a, b, e = engine.step([request(), request(), request(type="embed")])
-    assert a == b and 1 <= len(a["output_ids"]) <= 6
+    assert a["output_ids"] == b["output_ids"] and 1 <= len(a["output_ids"]) <= 6 and a["engine_s"] > 0
     v = np.frombuffer(e["embedding"], dtype="<f4")
     assert e["dim"] == v.size == 64 and abs(float(v @ v) - 1) < 1e-4
 
 
 def test_the_image_changes_the_answer(engine):
-    one, other = engine.step([request(n=8), request(n=8, pixels=[torch.full((1, 3, 32, 32), -2.0)])])
-    assert one["output_ids"] != other["output_ids"]
+    one, other = tokens(engine, request(n=8), request(n=8, pixels=[torch.full((1, 3, 32, 32), -2.0)]))
+    assert one != other
 
 
 def test_saved_weights_load_through_from_pretrained_with_the_same_tokens(engine, tmp_path):
@@ -47,9 +51,9 @@ def test_saved_weights_load_through_from_pretrained_with_the_same_tokens(engine,
     shutil.copy(SHIPPED / "tokenizer.json", tmp_path)
     loaded = HFEngine(EngineContext(0, 1, None, 0, {"model": str(tmp_path)}))
     assert any(p.suffix == ".safetensors" for p in tmp_path.iterdir())
-    assert loaded.step([request(n=8)]) == engine.step([request(n=8)])
+    assert tokens(loaded, request(n=8)) == tokens(engine, request(n=8))
     reseeded = HFEngine(EngineContext(0, 1, None, 1, {}))
-    assert reseeded.step([request(n=8)]) != engine.step([request(n=8)])
+    assert tokens(reseeded, request(n=8)) != tokens(engine, request(n=8))
 
 
 def test_bad_requests_fail_alone(engine):
