@@ -1,4 +1,4 @@
-"""The ``mmsched`` command: serve, config, sweep, keygen, loadtest."""
+"""The ``mmsched`` command: serve, config, sweep, keygen, loadtest, worker."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmsched", description="mmsched, a scheduler sidecar for multimodal "
-                                     "LLM serving: serve, config, sweep, keygen, loadtest. See README.md.")
+                                     "LLM serving: serve, config, sweep, keygen, loadtest, worker. See README.md.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the scheduler (tp ranks)", description=(
         "Run the scheduler. Every setting is a flag, an environment variable and a TOML key; "

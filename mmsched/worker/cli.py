@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import sys
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -24,6 +25,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        import PIL  # noqa: F401
+        import tokenizers  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        print(f"mmsched worker: needs the hf extra (pip install 'mmsched[hf]'): {exc}", file=sys.stderr)
+        return 2
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

@@ -142,6 +142,15 @@ def test_a_bad_image_is_a_400_before_mmsched_sees_it(stack, image):
     assert results(admin) == before
 
 
+def test_a_body_over_the_limit_is_a_413(stack):
+    req = urllib.request.Request(f"http://127.0.0.1:{stack[1][1].port}/v1/chat/completions", b"x" * (17 << 20),
+                                 {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    err.value.close()
+    assert err.value.code == 413
+
+
 def test_an_engine_fault_on_rank_1_is_a_500_naming_rank_1(stack):
     status, body = post(stack[2][1].port, chat(png()), rid="fail-1")
     assert status == 500, body
