@@ -2,8 +2,9 @@
 real tp=1 and tp=2 groups running mmsched.engines.hf (issue 14).
 
 One tp=1 and one tp=2 group (module scope), each behind its own ``mmsched worker``
-process. The tp=2 group carries the drills: ``fail-*`` fails at rank 1's engine, ``hold-*``
-holds rank 0 in materialize long enough for a caller to hang up.
+process (tp=1's takes one request at a time). Drills: ``fail-*`` fails at rank 1's engine
+(tp=2), ``hold-*`` holds rank 0 in materialize for 4 s (both), long enough for a caller to
+hang up or for a second request to find the worker full.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -68,11 +70,11 @@ def results(admin: int) -> dict[str, float]:
 class Worker:
     """A real ``mmsched worker`` process in front of ``srv``."""
 
-    def __init__(self, srv: Server, log_dir: Path):
+    def __init__(self, srv: Server, log_dir: Path, *flags: str):
         self.port = free_port()
         self.log = open(log_dir / f"worker-{self.port}.log", "wb")
         self.proc = subprocess.Popen([sys.executable, "-m", "mmsched", "worker", "--frontend", srv.addr,
-                                      "--listen", f"127.0.0.1:{self.port}", "--pool-mb", "4"],
+                                      "--listen", f"127.0.0.1:{self.port}", "--pool-mb", "4", *flags],
                                      stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
 
     def wait_ready(self, timeout=180.0) -> None:
@@ -101,10 +103,11 @@ def stack(tmp_path_factory):
     """{tp: (server, worker, admin port)}: both groups and workers start at once (model loads overlap)."""
     tmp = tmp_path_factory.mktemp("hf")
     admins = {1: free_port(), 2: free_port()}
-    servers = {1: Server("--engine", ENGINE, "--admin", str(admins[1]), tmp_dir=str(tmp), ready_timeout=240),
+    servers = {1: Server("--engine", ENGINE, "--admin", str(admins[1]), "--stall-s", "4", "--fault", "0:hold:hold-*",
+                         tmp_dir=str(tmp), ready_timeout=240),
                2: Server("--engine", ENGINE, "--tp", "2", "--admin", str(admins[2]), "--stall-s", "4",
                          "--fault", "1:engine:fail-*", "--fault", "0:hold:hold-*", tmp_dir=str(tmp), ready_timeout=240)}
-    workers = {tp: Worker(srv, tmp) for tp, srv in servers.items()}
+    workers = {1: Worker(servers[1], tmp, "--max-concurrency", "1"), 2: Worker(servers[2], tmp)}
     try:
         for tp in (1, 2):
             servers[tp].__enter__()
@@ -140,6 +143,16 @@ def test_a_bad_image_is_a_400_before_mmsched_sees_it(stack, image):
     status, body = post(worker.port, chat(image))
     assert status == 400 and "image" in body["error"]["message"], body
     assert results(admin) == before
+
+
+def test_a_full_worker_is_a_503_and_the_held_request_still_answers(stack):
+    port = stack[1][1].port
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(post, port, chat(png()), "hold-full")
+        time.sleep(1.5)  # the held request is inside mmsched
+        status, body = post(port, chat(png()))
+        assert status == 503 and "busy" in body["error"]["message"], body
+        assert held.result()[0] == 200
 
 
 def test_a_body_over_the_limit_is_a_413(stack):
