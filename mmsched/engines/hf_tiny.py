@@ -12,7 +12,7 @@ import sys
 IMAGE_SIZE, PATCH = 32, 8
 IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2  # the CLS token is dropped ("default" strategy)
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
-VOCAB = 512
+VOCAB = 512  # the trainer's ceiling; the model's vocabulary is what training reached
 CORPUS = """A photo of a cat sitting on a red chair. Describe the image in one sentence.
 What colour is the square? The square is blue and the background is white.
 USER: ASSISTANT: hello world, this is a tiny tokenizer for a tiny vision language model.
@@ -20,12 +20,12 @@ The quick brown fox jumps over the lazy dog 0123456789 times. How many dogs are 
 """
 
 
-def model_config():
+def model_config(vocab: int):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32)
-    text = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    text = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                        bos_token_id=1, eos_token_id=2, pad_token_id=3)
     return LlavaConfig(vision_config=vision, text_config=text, image_token_index=SPECIALS.index("<image>"),
@@ -52,8 +52,9 @@ def image_processor():
 
 
 def write(directory: str) -> None:
-    model_config().save_pretrained(directory)
-    tokenizer().save(f"{directory}/tokenizer.json")
+    tok = tokenizer()
+    tok.save(f"{directory}/tokenizer.json")
+    model_config(tok.get_vocab_size()).save_pretrained(directory)  # every id the model emits decodes
     image_processor().save_pretrained(directory)
 
 

@@ -72,3 +72,16 @@ def test_a_bad_image_is_refused(prep, raw, url, words):
 def test_a_malformed_chat_is_refused(prep, doc):
     with pytest.raises(BadRequest):
         prep.prepare(doc)
+
+
+def test_the_shipped_tokenizer_matches_the_model_config(prep, tmp_path):
+    from transformers import AutoConfig
+
+    from mmsched.engines import hf_tiny
+
+    cfg = AutoConfig.from_pretrained(SHIPPED)
+    assert prep.tokenizer.get_vocab_size() == cfg.text_config.vocab_size
+    assert prep.tokenizer.token_to_id("<image>") == cfg.image_token_index == prep.image_token
+    hf_tiny.write(str(tmp_path))  # the files in configs/hf-tiny are what hf_tiny writes
+    for name in ("tokenizer.json", "preprocessor_config.json"):
+        assert json.loads((tmp_path / name).read_text()) == json.loads((SHIPPED / name).read_text()), name
