@@ -4,6 +4,7 @@ from a directory of saved weights (``from_pretrained``), and refusals as per-req
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import numpy as np
@@ -64,3 +65,19 @@ def test_bad_requests_fail_alone(engine):
     assert "32 image tokens for 1 image(s)" in str(out[0])
     assert all(isinstance(o, ValueError) for o in out[:3]), out
     assert "output_ids" in out[3]
+
+
+@pytest.mark.parametrize("spec", ["mmsched.engines.nosuch:HFEngine", "mmsched.engines.hf:NoSuch", "no-colon"])
+def test_an_engine_spec_that_does_not_load_is_a_config_error_naming_it(spec):
+    from mmsched.engines._bridge import load_engine
+    from mmsched.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(repr(spec))):
+        load_engine(spec, EngineContext(0, 1, None, 0, {}))
+
+
+def test_a_model_directory_without_config_is_a_config_error(tmp_path):
+    from mmsched.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no config.json"):
+        HFEngine(EngineContext(0, 1, None, 0, {"model": str(tmp_path)}))
