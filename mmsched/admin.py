@@ -1,19 +1,20 @@
 """The leader's admin HTTP endpoint: ``GET /health`` and ``GET /metrics``, on the asyncio loop.
 
-Small on purpose: two routes, no keep-alive, bounded request size. /health is 200 only
-while every rank is alive and the last collective finished within its deadline.
+Served by aiohttp (as the tokenizer worker): two routes, nothing else. /health is 200
+only while every rank is alive and the last collective finished within its deadline.
+The view it serves only needs ``health()`` and ``metrics.render()``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import socket
+
+from aiohttp import web
 
 from .errors import ConfigError
 from .log import event
 
-_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def parse_address(addr: str) -> tuple[str, int]:
@@ -36,45 +37,38 @@ def check_admin(address: str) -> None:
 
 
 class AdminServer:
-    def __init__(self, leader, address: str):
-        self.leader, self.address = leader, address
-        self._server: asyncio.base_events.Server | None = None
+    def __init__(self, view, address: str):
+        self.view, self.address = view, address
+        self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         host, port = parse_address(self.address)
+        app = web.Application(client_max_size=8192)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
         try:
-            self._server = await asyncio.start_server(self._handle, host, port, limit=8192)
+            await web.TCPSite(self._runner, host, port).start()
         except OSError as exc:
+            await self.close()
             raise ConfigError(f"admin: cannot listen on {host}:{port}: {exc.strerror}") from exc
         event("admin_listening", address=f"http://{host}:{port}")
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
-            method, path, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
-            status, ctype, body = self._route(method, path.split("?", 1)[0])
-            writer.write(f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: {ctype}\r\n"
-                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-            await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                ConnectionError, ValueError):
-            pass
-        except Exception as exc:  # noqa: BLE001 - the admin port must never take the loop down
-            event("admin_error", logging.WARNING, error=repr(exc))
-        finally:
-            writer.close()
+    async def _health(self, _request: web.Request) -> web.Response:
+        ok, reason = self.view.health()
+        return _closing(web.Response(status=200 if ok else 503, text=reason + "\n"))
 
-    def _route(self, method: str, path: str) -> tuple[int, str, bytes]:
-        if method != "GET":
-            return 405, "text/plain", b"GET only\n"
-        if path == "/health":
-            ok, reason = self.leader.health()
-            return (200 if ok else 503), "text/plain", (reason + "\n").encode()
-        if path == "/metrics":
-            return 200, "text/plain; version=0.0.4; charset=utf-8", self.leader.metrics.render()
-        return 404, "text/plain", b"try /health or /metrics\n"
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        return _closing(web.Response(body=self.view.metrics.render(), headers={"Content-Type": METRICS_TYPE}))
+
+
+def _closing(resp: web.Response) -> web.Response:
+    """No keep-alive, as before the move to aiohttp: a scrape is one request on one connection."""
+    resp.force_close()
+    return resp

@@ -1,4 +1,4 @@
-"""The ``mmsched`` command: serve, config, sweep, keygen, loadtest."""
+"""The ``mmsched`` command: serve, config, sweep, keygen, loadtest, worker."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmsched", description="mmsched, a scheduler sidecar for multimodal "
-                                     "LLM serving: serve, config, sweep, keygen, loadtest. See README.md.")
+                                     "LLM serving: serve, config, sweep, keygen, loadtest, worker. See README.md.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the scheduler (tp ranks)", description=(
         "Run the scheduler. Every setting is a flag, an environment variable and a TOML key; "
@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--grace", type=float, default=None, metavar="S", help="minimum age in seconds")
     sw.add_argument("--dry-run", action="store_true", help="list what would be reclaimed, unlink nothing")
     sw.add_argument("--config", metavar="FILE", help="TOML config file")
+    from .worker.cli import add_flags as add_worker_flags
+
+    add_worker_flags(sub.add_parser("worker", help="the tokenizer worker: OpenAI-style HTTP in front of mmsched "
+                                    "(needs mmsched[hf])"))
     _add_loadtest_flags(sub.add_parser("loadtest", help="drive a frontend with a seeded request mix; "
                                        "report latency, statuses, lost results and leaks"))
     return parser
@@ -65,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         return _sweep(args)
     if args.command == "loadtest":
         return _loadtest(args)
+    if args.command == "worker":
+        from .worker.cli import main as worker_main
+
+        return worker_main(args)
     if args.command == "keygen":
         from .auth import keygen
 

@@ -259,9 +259,9 @@ def test_the_image_serves_a_host_client_and_drains(image, compose, box, run_dir,
                        "the compose healthcheck passing inside", srv)
         say(f"[{config}] compose healthcheck inside: exit {health.returncode} (healthy)")
 
-        # compose's tokenizer-worker: its command from the image, beside the server (its IPC
+        # compose's load generator: its command from the image, beside the server (its IPC
         # namespace, its socket directory), cut to 40 requests in 2 s.
-        worker = list(compose["tokenizer-worker"]["command"])
+        worker = list(compose["loadgen"]["command"])
         for flag, value in (("--rate", "20"), ("--requests", "40"), ("--duration", "2")):
             worker[worker.index(flag) + 1] = value
         load = srv.exec([*image["Entrypoint"], *worker])

@@ -1,0 +1,87 @@
+"""The worker's request preparation, no sockets: chat JSON → input ids and pixel values,
+and every bad image refused as a BadRequest (HTTP 400) before anything is sent."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import pytest
+
+PIL = pytest.importorskip("PIL.Image")
+pytest.importorskip("transformers")
+
+from mmsched.engines.hf import SHIPPED  # noqa: E402
+from mmsched.worker.prep import BadRequest, Preprocessor  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def prep():
+    return Preprocessor(str(SHIPPED), max_image_bytes=64 << 10, max_image_pixels=512 * 512, max_new_tokens=32)
+
+
+def png(size=(40, 30), fmt="PNG") -> bytes:
+    buf = io.BytesIO()
+    PIL.new("RGB", size, (200, 30, 30)).save(buf, fmt)
+    return buf.getvalue()
+
+
+def body(*images: bytes, text="What is this?", url=None, **extra) -> bytes:
+    parts = [{"type": "text", "text": text}]
+    parts += [{"type": "image_url", "image_url": {"url": url or "data:image/png;base64," + base64.b64encode(i).decode()}}
+              for i in images]
+    return json.dumps({"messages": [{"role": "user", "content": parts}], **extra}).encode()
+
+
+def test_each_image_becomes_pixel_values_and_its_image_tokens(prep):
+    p = prep.prepare(body(png(), png((300, 200), "JPEG"), max_tokens=5))
+    assert [tuple(t.shape) for t in p.pixels] == [(1, 3, 32, 32)] * 2
+    assert p.input_ids.count(prep.image_token) == 2 * prep.tokens_per_image and p.input_ids[0] == prep.bos
+    assert p.max_new_tokens == 5
+    assert prep.tokenizer.decode(p.input_ids).endswith("What is this?\nASSISTANT:")
+
+
+def test_text_only_and_a_plain_string_content(prep):
+    p = prep.prepare(json.dumps({"messages": [{"role": "user", "content": "hello world"}]}).encode())
+    assert p.pixels == [] and prep.image_token not in p.input_ids
+
+
+def test_decode_stops_at_end_of_sequence(prep):
+    ids = prep.tokenizer.encode("hello world").ids
+    assert prep.decode(ids + [prep.eos, 7]) == ("hello world", "stop")
+    assert prep.decode(ids) == ("hello world", "length")
+
+
+@pytest.mark.parametrize("raw, url, words", [
+    (b"GIF89a but not really", None, "not a readable image"),
+    (png()[:60], None, "truncated"),
+    (png((600, 600)), None, "over"),
+    (None, "data:image/png;base64,@@@", "not a readable image"),
+    (None, "https://example.com/cat.png", "data URLs"),
+    (b"\0" * (70 << 10), None, "larger than"),
+], ids=["not-an-image", "truncated", "too-many-pixels", "bad-base64", "remote-url", "too-many-bytes"])
+def test_a_bad_image_is_refused(prep, raw, url, words):
+    with pytest.raises(BadRequest, match=words):
+        prep.prepare(body(*([raw] if raw is not None else []), url=url) if url is None else body(png(), url=url))
+
+
+@pytest.mark.parametrize("doc", [b"{", b"[]", b'{"messages": []}', b'{"messages": [{"role": "robot", "content": "x"}]}',
+                                 b'{"messages": [{"role": "user", "content": [{"type": "audio"}]}]}',
+                                 b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 33}'])
+def test_a_malformed_chat_is_refused(prep, doc):
+    with pytest.raises(BadRequest):
+        prep.prepare(doc)
+
+
+def test_the_shipped_tokenizer_matches_the_model_config(prep, tmp_path):
+    from transformers import AutoConfig
+
+    from mmsched.engines import hf_tiny
+
+    cfg = AutoConfig.from_pretrained(SHIPPED)
+    assert prep.tokenizer.get_vocab_size() == cfg.text_config.vocab_size
+    assert prep.tokenizer.token_to_id("<image>") == cfg.image_token_index == prep.image_token
+    hf_tiny.write(str(tmp_path))  # the files in configs/hf-tiny are what hf_tiny writes
+    for name in ("tokenizer.json", "preprocessor_config.json"):
+        assert json.loads((tmp_path / name).read_text()) == json.loads((SHIPPED / name).read_text()), name
