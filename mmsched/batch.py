@@ -20,12 +20,11 @@ from .faults import Faults
 from .log import event
 from . import remote
 from .metrics import RankCounters
-from .remote import ForwardedFeature, Topology
+from .remote import Topology
 from .protocol import ABORTED, INTERNAL, OK, UNAVAILABLE, Request, result
 from .protocol.batch import Batch  # noqa: F401 - moved; the lead removes this at merge
 from .sessions import Pending, SessionStore
-from .transport import open_feature, prune_idle
-from .transport.cuda_ipc import acknowledge
+from .transport import Transports
 
 
 def digest_prefix(digests: list[str]) -> int:
@@ -40,11 +39,13 @@ class BatchRunner:
     PRUNE_EVERY_S = 1.0  # how often idle cached pools are checked against their files
 
     def __init__(self, group, engine: Engine, faults: Faults, unlinks: bool, sessions: SessionStore,
-                 is_aborted=lambda req: False, topology: Topology | None = None):
+                 is_aborted=lambda req: False, topology: Topology | None = None,
+                 transports: Transports | None = None):
         self.group, self.engine, self.faults = group, engine, faults
         self.topology = topology or Topology.single()
         self.unlinks, self.sessions, self.is_aborted = unlinks, sessions, is_aborted
         self.counters = RankCounters()
+        self.transports = transports or Transports(group.rank, group.world, faults)  # this rank's caches
         self._next_prune = 0.0
 
     def exchange_counters(self) -> dict[int, dict]:
@@ -58,7 +59,7 @@ class BatchRunner:
         """At most once a second: close cached pools whose owner removed or replaced them."""
         if (now := time.monotonic()) >= self._next_prune:
             self._next_prune = now + self.PRUNE_EVERY_S
-            prune_idle()
+            self.transports.tidy()
 
     def run(self, batch: Batch) -> tuple[list[dict], float | None]:
         """Results (built on every rank, sent by the leader) and the consensus's seconds.
@@ -74,8 +75,8 @@ class BatchRunner:
         # 1. open every feature; errors stay on the feature
         rank, world, topo = self.group.rank, self.group.world, self.topology
         forwarded = remote.host_bound(reqs) if topo.remote_hosts else []
-        opened = [[ForwardedFeature(it, r.rid, self.faults) if topo.is_remote and it.transport in remote.HOST_BOUND
-                   else open_feature(it, r.rid, self.faults, self._lookup(r.session_id), rank, world)
+        opened = [[self.transports.forwarded(it, r.rid) if topo.is_remote and it.transport in remote.HOST_BOUND
+                   else self.transports.open(it, r.rid, self._lookup(r.session_id))
                    for it in r.items] for r in reqs]
         if forwarded and topo.is_remote:  # 1b. remote host: the leader's bytes, once per host
             remote.fill(opened, forwarded, *remote.receive(topo))
@@ -105,7 +106,7 @@ class BatchRunner:
             self.counters.bytes_forwarded += remote.ship(topo, forwarded, tensors, errors)
             for i, j in forwarded:
                 if reqs[i].items[j].transport == "cuda_ipc":  # remote ranks never touch the pool
-                    acknowledge(reqs[i].items[j], topo.remote_ranks, reqs[i].rid)
+                    self.transports.acknowledge(reqs[i].items[j], topo.remote_ranks, reqs[i].rid)
         # 3. agree: one collective; the barrier before anyone unlinks
         t0 = time.perf_counter()
         verdict = consensus.agree(self.group, flags, errors, extra=prefixes)

@@ -21,8 +21,9 @@ import zmq
 import zmq.asyncio
 
 from .errors import ShmFull
-from .protocol import VERSION, pack
-from .transport.shm import Segment, create_segment, tensor_bytes
+from .producers import Segment, create_segment
+from .protocol import VERSION, dtype_name, pack
+from .segments import tensor_bytes
 
 log = logging.getLogger("mmsched.client")
 
@@ -65,13 +66,6 @@ def cuda_ipc(tensor: torch.Tensor, modality: str = "image", id: str | None = Non
 def raw(item: dict, payload: bytes | None = None) -> Feature:
     """An item map sent as is (tests, other transports); ``"frame": -1`` points at ``payload``."""
     return Feature("raw", item=item, payload=payload)
-
-
-_DTYPE_NAME = {
-    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-    torch.float64: "float64", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16",
-    torch.int32: "int32", torch.int64: "int64", torch.bool: "bool",
-}
 
 
 @dataclass
@@ -212,7 +206,7 @@ class Client:
         if f.transport == "session":
             return {"transport": "session", "ref": f.ref, "modality": f.modality}
         t = f.tensor
-        item = {"modality": f.modality, "dtype": _DTYPE_NAME[t.dtype], "shape": list(t.shape)}
+        item = {"modality": f.modality, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
         if f.id is not None:
             item["id"] = f.id
         if f.transport == "pooled":

@@ -33,6 +33,7 @@ from .log import event
 from .rank import Follower, Leader
 from .remote import Topology
 from .sessions import SessionStore
+from .transport import Transports
 
 
 def run_rank(cfg: Config, rank: int, world: int) -> int:
@@ -68,7 +69,7 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     engine = ReferenceEngine(rank, world, seed=cfg.seed, stall_s=cfg.stall_s)
     runner = BatchRunner(group, engine, Faults(cfg.faults, rank), unlinks=(rank == 0),
                          sessions=SessionStore(cfg.session_max_bytes, cfg.session_max_count, cfg.session_max_features),
-                         topology=topology)
+                         topology=topology, transports=Transports(rank, world, Faults(cfg.faults, rank)))
     try:
         code = _run_loop(cfg, runner, lane, rank, world)
     except ConfigError as exc:  # found only when binding: a port in use, a socket path not writable

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .log import event
 from .protocol import valid_shm_name
-from .transport.shm import SHM_DIR, shm_path
+from .segments import SHM_DIR, shm_path
 
 
 @dataclass

@@ -29,12 +29,14 @@ def torch_dtype(name: str):
     return _torch_table()[name]
 
 
+@cache
+def _name_table() -> dict:
+    return {d: name for name, d in _torch_table().items()}
+
+
 def dtype_name(dtype) -> str:
     """The wire name of a torch dtype (KeyError for one the wire cannot carry)."""
-    for name, d in _torch_table().items():
-        if d == dtype:
-            return name
-    raise KeyError(dtype)
+    return _name_table()[dtype]
 
 
 def nbytes(shape, dtype: str) -> int:

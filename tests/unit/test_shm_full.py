@@ -16,10 +16,10 @@ import subprocess
 import pytest
 import torch
 
+from mmsched import segments
 from mmsched.client import Client, _Held, inline, shm
 from mmsched.errors import ShmFull
-from mmsched.transport import shm as shm_mod
-from mmsched.transport.shm import create_segment
+from mmsched.producers import create_segment
 
 SIZE = 1 << 20
 
@@ -36,7 +36,7 @@ def full_shm(tmp_path, monkeypatch):
         pytest.skip(f"cannot mount a tmpfs here: {exc}")
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    monkeypatch.setattr(shm_mod, "SHM_DIR", str(mnt))
+    monkeypatch.setattr(segments, "SHM_DIR", str(mnt))
     try:
         yield str(mnt)
     finally:
