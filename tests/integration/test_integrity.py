@@ -227,7 +227,7 @@ async def test_an_ipc_pool_recreated_under_its_name_is_read_and_acked_anew(serve
     any rank read it: the producer's next write would then reach a 200). Requests for the
     new pool read it and acknowledge on its board."""
     from mmsched.devices import ShmDevice
-from mmsched.producers import IpcPool
+    from mmsched.producers import IpcPool
 
     world = 2 if "--tp" in server.proc.args else 1
     pool = IpcPool(ShmDevice(), slots=1, slot_bytes=16 << 10, ranks=world)
