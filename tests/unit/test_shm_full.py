@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from mmsched import segments
-from mmsched.client import Client, _Held, inline, shm
+from mmsched.client import Client, inline, shm
 from mmsched.errors import ShmFull
+from mmsched.producers.features import Held
 from mmsched.producers import create_segment
 
 SIZE = 1 << 20
@@ -81,9 +82,8 @@ def test_what_is_left_counts_not_the_total(full_shm):
 
 async def test_the_client_falls_back_to_inline_and_logs_it(full_shm, client_warnings):
     t = torch.arange(SIZE // 2, dtype=torch.float32)  # 2 MiB: cannot fit
-    c = Client("ipc:///nonexistent-mmsched-test.sock")  # _item needs no connection
-    frames, held = [], _Held(c)
-    item = c._item(shm(t, id="big"), frames, held)
+    frames, held = [], Held()  # what Client.send_request builds: no connection needed
+    item = held.item(shm(t, id="big"), frames)
     segments = held.segments
     assert item["transport"] == "inline" and item["frame"] == 1
     assert (item["dtype"], item["shape"], item["id"]) == ("float32", [SIZE // 2], "big")
