@@ -13,7 +13,6 @@ import itertools
 import logging
 import os
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -22,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from .producers.features import Feature, Held, cuda_ipc, inline, pooled, raw, ref, shm
+from . import protocol
 from .protocol import VERSION, pack
 
 __all__ = ["Client", "Feature", "Result", "cuda_ipc", "inline", "pooled", "raw", "ref", "shm"]
@@ -29,27 +29,12 @@ __all__ = ["Client", "Feature", "Result", "cuda_ipc", "inline", "pooled", "raw",
 log = logging.getLogger("mmsched.client")
 
 
-@dataclass
-class Result:
-    rid: str | None
-    status: int
-    err_type: str | None = None
-    message: str | None = None
-    output: dict | None = None
-    meta: dict = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200
+class Result(protocol.Result):
+    """A result as the client reads it (``Result.from_wire``), with its embedding decoded."""
 
     @property
     def embedding(self) -> torch.Tensor:
         return torch.from_numpy(np.frombuffer(self.output["embedding"], dtype="<f4").copy())
-
-    @classmethod
-    def from_header(cls, h: dict) -> "Result":
-        return cls(h.get("rid"), h.get("status"), h.get("err_type"), h.get("message"),
-                   h.get("output"), h.get("meta") or {})
 
 
 class Client:
@@ -212,7 +197,7 @@ class Client:
                 continue
             kind = h.get("type")
             if kind == "result":
-                res = Result.from_header(h)
+                res = Result.from_wire(h)
                 fut = self._results.pop(res.rid, None) if res.rid is not None else None
                 held = self._held.pop(res.rid, None) if res.rid is not None else None
                 if held is not None:

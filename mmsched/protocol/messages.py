@@ -136,22 +136,34 @@ Message = Request | Abort | CloseSession | Ping
 
 # ---------------------------------------------------------------- outgoing
 
-@dataclass(slots=True)
+@dataclass
 class Result:
-    """The one answer to a request; ``err_type`` follows from ``status``."""
+    """The one answer to a request, as the server builds it and the client reads it;
+    ``err_type`` follows from ``status`` unless the wire said otherwise."""
 
     rid: str | None
     status: int
+    err_type: str | None = None
     message: str | None = None
     output: dict | None = None
-    meta: dict | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
 
     def to_wire(self) -> dict:
         return {
             "v": VERSION, "type": "result", "rid": self.rid, "status": self.status,
-            "err_type": ERR_TYPE.get(self.status), "message": self.message, "output": self.output,
-            "meta": self.meta or {},
+            "err_type": ERR_TYPE.get(self.status) if self.err_type is None else self.err_type,
+            "message": self.message, "output": self.output, "meta": self.meta or {},
         }
+
+    @classmethod
+    def from_wire(cls, h: dict) -> "Result":
+        """A result map as received (the client's side: fields taken as sent)."""
+        return cls(h.get("rid"), h.get("status"), h.get("err_type"), h.get("message"),
+                   h.get("output"), h.get("meta") or {})
 
 
 @dataclass(slots=True)
@@ -182,7 +194,7 @@ def pack(header: dict) -> bytes:
 
 def result(rid: str | None, status: int, message: str | None = None,
            output: dict | None = None, meta: dict | None = None) -> dict:
-    return Result(rid, status, message, output, meta).to_wire()
+    return Result(rid, status, None, message, output, meta).to_wire()
 
 
 def pong(ranks: int, healthy: bool, **extra: Any) -> dict:

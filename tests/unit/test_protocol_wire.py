@@ -11,14 +11,14 @@ import pytest
 from mmsched.protocol import AckClose, Batch, Item, Pong, Request, Result, ack_close, pack, pong, result
 
 PINNED = [
-    (Result("r1", 200, None, {"embedding": [1.5, 2]}, {"ranks": 2}),
+    (Result("r1", 200, output={"embedding": [1.5, 2]}, meta={"ranks": 2}),
      "88a17601a474797065a6726573756c74a3726964a27231a6737461747573ccc8a86572725f74797065c0a76d657373616765c0a6"
      "6f757470757481a9656d62656464696e6792cb3ff800000000000002a46d65746181a572616e6b7302"),
-    (Result("r2", 500, "boom", meta={"failed_ranks": [1], "stage": "materialize"}),
+    (Result("r2", 500, message="boom", meta={"failed_ranks": [1], "stage": "materialize"}),
      "88a17601a474797065a6726573756c74a3726964a27232a6737461747573cd01f4a86572725f74797065b3496e7465726e616c5365"
      "727665724572726f72a76d657373616765a4626f6f6da66f7574707574c0a46d65746182ac6661696c65645f72616e6b739101a573"
      "74616765ab6d6174657269616c697a65"),
-    (Result(None, 400, "header: could not be decoded"),
+    (Result(None, 400, message="header: could not be decoded"),
      "88a17601a474797065a6726573756c74a3726964c0a6737461747573cd0190a86572725f74797065af42616452657175657374"
      "4572726f72a76d657373616765bc6865616465723a20636f756c64206e6f74206265206465636f646564a66f7574707574c0a4"
      "6d65746180"),
@@ -40,6 +40,13 @@ def test_the_dict_builders_give_the_same_bytes_as_the_typed_messages():
              result(None, 400, "header: could not be decoded"),
              pong(2, True, state="serving", hosts={"host0": [0, 1]}), ack_close("s1")]
     assert [pack(h).hex() for h in built] == [wire for _, wire in PINNED]
+
+
+def test_a_result_reads_back_as_it_was_sent():
+    sent = Result("r2", 500, message="boom", meta={"failed_ranks": [1]})
+    back = Result.from_wire(msgpack.unpackb(pack(sent.to_wire())))
+    assert back == Result("r2", 500, "InternalServerError", "boom", None, {"failed_ranks": [1]})
+    assert not back.ok and Result.from_wire({"rid": "r", "status": 200}).ok
 
 
 def test_a_batch_round_trips_with_its_inline_payload():
