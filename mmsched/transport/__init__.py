@@ -64,7 +64,7 @@ class Transports:
         return self.pools.prune() + self.attached.prune()
 
     def clear(self) -> None:
-        """Close every idle handle (the rest on their last release): at the rank's stop, and in tests."""
+        """Close every idle handle (the rest on their last release): for whoever is done with them (tests)."""
         for cache in (self.pools, self.attached.pools, self.attached.boards):
             cache.clear()
 
