@@ -14,7 +14,9 @@ import torch
 import torch.multiprocessing as mp
 
 from mmsched.protocol import Item
-from mmsched.transport.cuda_ipc import CudaDevice, CudaIpcFeature, IpcPool
+from mmsched.devices import CudaDevice
+from mmsched.producers import IpcPool
+from mmsched.transport.cuda_ipc import Attachments, CudaIpcFeature
 from mmsched.faults import NO_FAULTS
 
 SIZES = [1 << 20, 16 << 20, 64 << 20]
@@ -22,7 +24,7 @@ SIZES = [1 << 20, 16 << 20, 64 << 20]
 
 def _consumer(items, out_q, reps):
     torch.cuda.set_device(0)
-    times = {}
+    times, attached = {}, Attachments()
     for size, item_wire in items:
         item = Item(index=0, modality="image", transport="cuda_ipc", dtype="uint8", shape=(size,),
                     nbytes=size, ipc=item_wire)
@@ -30,7 +32,7 @@ def _consumer(items, out_q, reps):
         for _ in range(reps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            f = CudaIpcFeature(item, "bench", NO_FAULTS, rank=0, world=1)
+            f = CudaIpcFeature(item, "bench", NO_FAULTS, 0, 1, attached)
             t = f.materialize()
             torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t0)

@@ -33,8 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mmsched.faults import Faults  # noqa: E402
 from mmsched.protocol import Item  # noqa: E402
-from mmsched.transport.shm import ShmFeature, create_segment, shm_path  # noqa: E402
-from mmsched.transport.shm_pool import PoolCache, PooledFeature, ShmPool  # noqa: E402
+from mmsched.producers import ShmPool, create_segment  # noqa: E402
+from mmsched.segments import shm_path  # noqa: E402
+from mmsched.transport.shm import ShmFeature  # noqa: E402
+from mmsched.transport.shm_pool import PoolCache, PooledFeature  # noqa: E402
 
 NO_FAULTS = Faults([], 0)
 PREFIX = "mmbench_"

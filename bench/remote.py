@@ -60,7 +60,8 @@ def _worker(rank: int, port: int, sizes: list[int], items: int, budget: float, o
     from mmsched import remote
     from mmsched.faults import Faults
     from mmsched.group import GlooGroup
-    from mmsched.remote import ForwardedFeature, Topology
+    from mmsched.remote import Topology
+    from mmsched.transport import ForwardedFeature
 
     group = GlooGroup(rank, 2, f"tcp://127.0.0.1:{port}", timeout_s=60)
     topo = Topology(rank, hosts=["a", "b"], host_groups={})

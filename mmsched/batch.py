@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
-import msgpack
 import torch
 
 from .engine import Engine
@@ -17,35 +15,14 @@ from .faults import Faults
 from .log import event
 from .metrics import RankCounters
 from .protocol import Request
+from .protocol.batch import Batch
 from .remote import Topology
 from .sessions import Pending, SessionStore
 from .step.engine_step import engine_requests, run_engine
 from .step.features import Materialized, agree, materialize, release
 from .step.forward import forwarding
 from .step.outcome import Gate, Ok, Outcome, decide, render
-from .transport import open_feature, prune_idle
-
-
-@dataclass
-class Batch:
-    seq: int
-    requests: list[Request] = field(default_factory=list)
-    stop: bool = False
-    closes: list[str] = field(default_factory=list)  # sessions to release first (close or idle)
-    gather_stats: bool = False  # after the step, every rank all-gathers its counters
-
-    @property
-    def empty(self) -> bool:
-        return not self.requests and not self.closes
-
-    def encode(self) -> bytes:
-        return msgpack.packb([self.seq, self.stop, [r.wire() for r in self.requests], self.closes,
-                              self.gather_stats], use_bin_type=True)
-
-    @classmethod
-    def decode(cls, buf) -> "Batch":
-        seq, stop, reqs, closes, gather_stats = msgpack.unpackb(buf, raw=False)
-        return cls(seq, [Request.from_wire(w) for w in reqs], stop, closes, gather_stats)
+from .transport import Transports
 
 
 def _render_all(reqs: list[Request], outcomes: list[Outcome], world: int) -> list[dict]:
@@ -62,12 +39,14 @@ class BatchRunner:
     PRUNE_EVERY_S = 1.0  # how often idle cached pools are checked against their files
 
     def __init__(self, group, engine: Engine, faults: Faults, unlinks: bool, sessions: SessionStore,
-                 is_aborted=lambda req: False, topology: Topology | None = None, stall_s: float = 3.0):
+                 is_aborted=lambda req: False, topology: Topology | None = None, stall_s: float = 3.0,
+                 transports: Transports | None = None):
         self.group, self.engine, self.faults, self.stall_s = group, engine, faults, stall_s
         self.topology = topology or Topology.single()
         self.unlinks, self.sessions, self.is_aborted = unlinks, sessions, is_aborted
         self.counters = RankCounters()
-        self.forwarding = forwarding(self.topology, faults)
+        self.transports = transports or Transports(group.rank, group.world, faults)  # this rank's caches
+        self.forwarding = forwarding(self.topology, self.transports)
         self._results = _render_all if group.rank == 0 else _no_results
         self._next_prune = 0.0
 
@@ -79,7 +58,7 @@ class BatchRunner:
         """At most once a second: close cached pools whose owner removed or replaced them."""
         if (now := time.monotonic()) >= self._next_prune:
             self._next_prune = now + self.PRUNE_EVERY_S
-            prune_idle()
+            self.transports.tidy()
 
     def run(self, batch: Batch) -> tuple[list[dict], float | None]:
         """Results (rendered on the leader; [] elsewhere) and the failure agreement's seconds.
@@ -103,8 +82,7 @@ class BatchRunner:
         return self._results(reqs, outcomes, self.group.world), seconds if seconds is not None else engine_s
 
     def _open(self, item, req: Request):
-        return open_feature(item, req.rid, self.faults, lambda ref: self.sessions.lookup(req.session_id, ref),
-                            self.group.rank, self.group.world)
+        return self.transports.open(item, req.rid, lambda ref: self.sessions.lookup(req.session_id, ref))
 
     def _agree(self, reqs: list[Request], m: Materialized) -> tuple[Gate, float | None]:
         """The materialization consensus, skipped for a batch without feature items: nothing

@@ -1,8 +1,9 @@
 """The asyncio client: ``async with Client(addr) as c: r = await c.embed(ids, [shm(t)])``.
 
 One DEALER socket, one reader task fanning replies out to per-request futures.
-Features are described with ``shm()``, ``inline()``, ``ref()`` or ``raw()``; ``shm``
-segments are created at send time, locked until sent, and owned by mmsched once sent.
+Features are described with ``shm()``, ``inline()``, ``pooled()``, ``cuda_ipc()``, ``ref()``
+or ``raw()`` (``mmsched.producers.features``, which writes them at send time); ``shm``
+segments are locked until the result arrives, and owned by mmsched once sent.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import itertools
 import logging
 import os
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -20,81 +20,21 @@ import torch
 import zmq
 import zmq.asyncio
 
-from .errors import ShmFull
+from .producers.features import Feature, Held, cuda_ipc, inline, pooled, raw, ref, shm
+from . import protocol
 from .protocol import VERSION, pack
-from .transport.shm import Segment, create_segment, tensor_bytes
+
+__all__ = ["Client", "Feature", "Result", "cuda_ipc", "inline", "pooled", "raw", "ref", "shm"]
 
 log = logging.getLogger("mmsched.client")
 
 
-@dataclass
-class Feature:
-    """A feature to send. Build with shm(), inline(), ref() or raw()."""
-
-    transport: str
-    tensor: torch.Tensor | None = None
-    modality: str = "image"
-    id: str | None = None
-    ref: str | None = None
-    item: dict | None = None       # raw(): the item map as given
-    payload: bytes | None = None   # raw(): an extra frame the item refers to as frame=-1
-
-
-def shm(tensor: torch.Tensor, modality: str = "image", id: str | None = None) -> Feature:
-    return Feature("shm", tensor, modality, id)
-
-
-def inline(tensor: torch.Tensor, modality: str = "image", id: str | None = None) -> Feature:
-    return Feature("inline", tensor, modality, id)
-
-
-def ref(feature_id: str, modality: str = "image") -> Feature:
-    return Feature("session", modality=modality, ref=feature_id)
-
-
-def pooled(tensor: torch.Tensor, modality: str = "image", id: str | None = None) -> Feature:
-    """A slice of the client's ShmPool (``pooled: true``); a fresh segment when the pool is full."""
-    return Feature("pooled", tensor, modality, id)
-
-
-def cuda_ipc(tensor: torch.Tensor, modality: str = "image", id: str | None = None) -> Feature:
-    """A slot of the client's IpcPool; falls back to shm when the pool is full."""
-    return Feature("cuda_ipc", tensor, modality, id)
-
-
-def raw(item: dict, payload: bytes | None = None) -> Feature:
-    """An item map sent as is (tests, other transports); ``"frame": -1`` points at ``payload``."""
-    return Feature("raw", item=item, payload=payload)
-
-
-_DTYPE_NAME = {
-    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-    torch.float64: "float64", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16",
-    torch.int32: "int32", torch.int64: "int64", torch.bool: "bool",
-}
-
-
-@dataclass
-class Result:
-    rid: str | None
-    status: int
-    err_type: str | None = None
-    message: str | None = None
-    output: dict | None = None
-    meta: dict = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200
+class Result(protocol.Result):
+    """A result as the client reads it (``Result.from_wire``), with its embedding decoded."""
 
     @property
     def embedding(self) -> torch.Tensor:
         return torch.from_numpy(np.frombuffer(self.output["embedding"], dtype="<f4").copy())
-
-    @classmethod
-    def from_header(cls, h: dict) -> "Result":
-        return cls(h.get("rid"), h.get("status"), h.get("err_type"), h.get("message"),
-                   h.get("output"), h.get("meta") or {})
 
 
 class Client:
@@ -110,7 +50,7 @@ class Client:
         self._curve = (server_key, client_cert) if server_key is not None else None
         self.address, self.shm_prefix, self.timeout = address, shm_prefix, timeout
         self.ipc_pool, self.shm_pool = ipc_pool, shm_pool
-        self._held: dict[str, _Held] = {}  # rid -> what its features hold until its result
+        self._held: dict[str, Held] = {}  # rid -> what its features hold until its result
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -191,9 +131,9 @@ class Client:
         if want_digest:
             header["want_digest"] = True
         frames: list[Any] = []
-        held = _Held(self)
+        held = Held(self.shm_pool, self.ipc_pool, self.shm_prefix)
         try:
-            header["mm_items"] = [self._item(f, frames, held) for f in features]
+            header["mm_items"] = [held.item(f, frames) for f in features]
             fut = self.send_raw(header, frames, rid=rid)
         except BaseException:
             held.never_sent()
@@ -201,42 +141,6 @@ class Client:
         if held:
             self._held[rid] = held
         return fut
-
-    def _item(self, f: Feature, frames: list, held: "_Held") -> dict:
-        if f.transport == "raw":
-            item = dict(f.item)
-            if item.get("frame") == -1:
-                frames.append(f.payload)
-                item["frame"] = len(frames)
-            return item
-        if f.transport == "session":
-            return {"transport": "session", "ref": f.ref, "modality": f.modality}
-        t = f.tensor
-        item = {"modality": f.modality, "dtype": _DTYPE_NAME[t.dtype], "shape": list(t.shape)}
-        if f.id is not None:
-            item["id"] = f.id
-        if f.transport == "pooled":
-            off = self.shm_pool.put(t) if self.shm_pool is not None else None
-            if off is not None:
-                held.slices.append((off, t.numel() * t.element_size()))
-                return dict(item, transport="shm", shm_name=self.shm_pool.name, offset=off, pooled=True)
-            log.warning("shm_pool_full falling_back=shm nbytes=%d", t.numel() * t.element_size())
-        if f.transport == "cuda_ipc":
-            lease = self.ipc_pool.lease(t) if self.ipc_pool is not None else None
-            if lease is not None:
-                held.leases.append(lease)
-                return dict(item, transport="cuda_ipc", ipc=self.ipc_pool.item(t, lease))
-            log.warning("ipc_pool_full falling_back=shm nbytes=%d", t.numel() * t.element_size())
-        if f.transport in ("shm", "cuda_ipc", "pooled"):
-            try:
-                seg = create_segment(t, self.shm_prefix)
-            except ShmFull as exc:
-                log.warning("shm_full falling_back=inline nbytes=%d error=%s", t.numel() * t.element_size(), exc)
-            else:
-                held.segments.append(seg)
-                return dict(item, transport="shm", shm_name=seg.name)
-        frames.append(tensor_bytes(t))
-        return dict(item, transport="inline", frame=len(frames))
 
     def send_raw(self, header: Any, frames: Sequence[Any] = (), rid: str | None = None,
                  packed: bytes | None = None) -> asyncio.Future | None:
@@ -293,7 +197,7 @@ class Client:
                 continue
             kind = h.get("type")
             if kind == "result":
-                res = Result.from_header(h)
+                res = Result.from_wire(h)
                 fut = self._results.pop(res.rid, None) if res.rid is not None else None
                 held = self._held.pop(res.rid, None) if res.rid is not None else None
                 if held is not None:
@@ -328,40 +232,6 @@ def _drain(sock: zmq.Socket, limit: int) -> list[list]:
         except zmq.Again:
             break
     return out
-
-
-@dataclass
-class _Held:
-    """What one request's features hold on the client side until its result arrives."""
-
-    client: Client
-    segments: list[Segment] = field(default_factory=list)  # locked until the result: no sweep window
-    slices: list[tuple[int, int]] = field(default_factory=list)  # ShmPool (offset, nbytes)
-    leases: list = field(default_factory=list)  # IpcPool leases
-
-    def __bool__(self) -> bool:
-        return bool(self.segments or self.slices or self.leases)
-
-    def unlock(self) -> None:
-        for seg in self.segments:
-            seg.sent()
-
-    def answered(self, status: int) -> None:
-        """The result arrived: no rank reads these bytes any more (contract guarantee 5)."""
-        self.unlock()
-        for off, n in self.slices:
-            self.client.shm_pool.free(off, n)
-        if status == 400:  # no rank saw it: nobody will acknowledge its slots
-            for lease in self.leases:
-                self.client.ipc_pool.forget(lease)
-
-    def never_sent(self) -> None:
-        for seg in self.segments:
-            seg.discard()
-        for lease in self.leases:
-            self.client.ipc_pool.forget(lease)
-        for off, n in self.slices:
-            self.client.shm_pool.free(off, n)
 
 
 def _ids_bin(ids) -> bytes:

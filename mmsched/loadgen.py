@@ -65,7 +65,9 @@ import numpy as np
 import torch
 
 from .client import Client, Feature, cuda_ipc, inline, pooled, raw, ref, shm
-from .transport.shm import SHM_DIR, create_segment
+from .devices import CudaDevice, ShmDevice
+from .producers import IpcPool, ShmPool, create_segment
+from .segments import SHM_DIR
 
 TRANSPORTS = ("pooled", "shm", "inline", "cuda_ipc")
 CLIENT_FAULTS = ("missing", "too_small", "bad_name")
@@ -634,13 +636,9 @@ async def run(spec: LoadSpec, client: Client | None = None) -> Report:
             return _report(spec, r, elapsed, before, notes)
         biggest = max(spec.item_bytes) if spec.items else 0
         if "pooled" in spec.transports and spec.items:
-            from .transport.shm_pool import ShmPool
-
             size = spec.pool_bytes or min(1 << 30, max(16 << 20, 2 * spec.in_flight * spec.items * _aligned(biggest)))
             shm_pool = client.shm_pool = ShmPool(size, spec.shm_prefix)
         if "cuda_ipc" in spec.transports and spec.items:
-            from .transport.cuda_ipc import CudaDevice, IpcPool, ShmDevice
-
             device = CudaDevice() if torch.cuda.is_available() else ShmDevice()
             slots = min(4096, 2 * spec.in_flight * spec.items)
             ipc_pool = client.ipc_pool = IpcPool(device, slots, biggest, max(ranks, 1), spec.shm_prefix)

@@ -6,8 +6,8 @@ others, the leader ships the bytes it already read (read once) with the batch: o
 point-to-point transfer to the lowest rank of each remote host, which re-broadcasts to
 the other ranks of its host over a host-local subgroup. So each remote host receives a
 feature once, however many of its ranks need it. A failure to read on the leader's host
-or to receive on a remote one is recorded on the feature like any other: the consensus
-sees it and the 500 names the rank.
+or to receive on a remote one is recorded on the feature (``transport.ForwardedFeature``)
+like any other: the consensus sees it and the 500 names the rank.
 """
 
 from __future__ import annotations
@@ -18,11 +18,6 @@ from dataclasses import dataclass
 
 import msgpack
 import torch
-
-from .errors import FeatureError
-from .faults import Faults
-from .protocol import Item
-from .transport import OpenedFeature, typed
 
 HOST_BOUND = ("shm", "cuda_ipc")  # transports that only reach ranks on the client's host
 ALIGN = 8  # forwarded items start at multiples of this in the shipped buffer (the widest dtype)
@@ -92,33 +87,6 @@ class Topology:
             if h != hosts[0] and len(ranks) > 1:
                 groups[h] = dist.new_group(ranks, backend="gloo")
         return cls(rank, hosts, groups)
-
-
-class ForwardedFeature(OpenedFeature):
-    """A host-bound item on a remote rank: its bytes arrive from the leader with the batch."""
-
-    __slots__ = ("_raw",)
-
-    def __init__(self, item: Item, rid: str, faults: Faults):
-        self._raw = None
-        super().__init__(item, rid, faults)
-
-    def receive(self, raw: torch.Tensor | None, problem: str | None) -> None:
-        if self.error is None:
-            if raw is None:
-                self.error = FeatureError(f"not received from the leader's host ({problem})")
-            else:
-                self._raw = raw
-
-    def _read(self) -> torch.Tensor:
-        # A view into the batch's one received buffer; a feature a session may keep gets its own
-        # memory, or it would pin every forwarded byte of its batch past the session's bound.
-        raw = self._raw.clone() if self.item.id is not None else self._raw
-        return typed(raw, self.item)
-
-    def release(self, unlink: bool) -> bool:
-        self._raw = None
-        return True
 
 
 def host_bound(reqs) -> list[tuple[int, int]]:

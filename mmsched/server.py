@@ -35,6 +35,7 @@ from .log import event
 from .rank import Follower, Leader
 from .remote import Topology
 from .sessions import SessionStore
+from .transport import Transports
 
 
 def run_rank(cfg: Config, rank: int, world: int) -> int:
@@ -77,9 +78,10 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         event("group_init_failed", logging.ERROR, error=describe(exc))
         return 3
     lane = Lane(cfg.collective_timeout)
-    runner = BatchRunner(group, engine, Faults(cfg.faults, rank), unlinks=(rank == 0),
+    faults = Faults(cfg.faults, rank)
+    runner = BatchRunner(group, engine, faults, unlinks=(rank == 0),
                          sessions=SessionStore(cfg.session_max_bytes, cfg.session_max_count, cfg.session_max_features),
-                         topology=topology, stall_s=cfg.stall_s)
+                         topology=topology, stall_s=cfg.stall_s, transports=Transports(rank, world, faults))
     try:
         code = _run_loop(cfg, runner, lane, rank, world)
     except ConfigError as exc:  # found only when binding: a port in use, a socket path not writable

@@ -10,7 +10,8 @@ entry): a turn that would pass a bound is refused (503), never an older feature 
 
 A session belongs to the connection that names it: the leader keys it by the client's
 routing identity and its ``session_id`` (``scoped``), so no other connection can read,
-replace or close it, however well it guesses the id.
+replace or close it, however well it guesses the id. Its items are read through
+``transport.SessionFeature``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
-from .faults import Faults
-from .protocol import Item
-from .transport import OpenedFeature
 
 
 @dataclass
@@ -133,23 +130,3 @@ class SessionStore:
     def __repr__(self) -> str:
         return (f"<SessionStore sessions={len(self._sessions)}/{self.max_count} "
                 f"features={self.features}/{self.max_features} bytes={self.nbytes}/{self.max_bytes}>")
-
-
-class SessionFeature(OpenedFeature):
-    """A ``transport: "session"`` item: the stored tensor, shared read-only with the session."""
-
-    __slots__ = ("_tensor", "_lookup")
-
-    def __init__(self, item: Item, rid: str, faults: Faults, lookup):
-        self._tensor, self._lookup = None, lookup
-        super().__init__(item, rid, faults)
-
-    def _open(self) -> None:
-        self._tensor = self._lookup(self.item.ref)
-
-    def _read(self) -> torch.Tensor:
-        return self._tensor
-
-    def release(self, unlink: bool) -> bool:
-        self._tensor = None  # the session keeps its own reference
-        return True

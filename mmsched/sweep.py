@@ -20,7 +20,7 @@ from typing import Callable
 
 from .log import event
 from .protocol import valid_shm_name
-from .transport.shm import SHM_DIR, shm_path
+from .segments import SHM_DIR, shm_path
 
 
 @dataclass

@@ -12,7 +12,7 @@ import logging
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
-from ..batch import Batch
+from ..protocol.batch import Batch
 from ..config import Config
 from ..log import event
 from ..protocol import ABORTED, BAD_REQUEST, INTERNAL, UNAVAILABLE, Request, ack_close, result

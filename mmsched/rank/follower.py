@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from ..batch import Batch, BatchRunner
+from ..batch import BatchRunner
+from ..protocol.batch import Batch
 from ..config import Config
 from ..errors import GroupBroken
 from ..lane import Lane

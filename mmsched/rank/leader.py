@@ -12,7 +12,8 @@ import time
 
 from .. import protocol
 from ..admin import AdminServer
-from ..batch import Batch, BatchRunner
+from ..batch import BatchRunner
+from ..protocol.batch import Batch
 from ..config import Config
 from ..errors import BadRequest, GroupBroken, describe
 from ..lane import Lane

@@ -12,16 +12,15 @@ from __future__ import annotations
 from typing import Callable
 
 from .. import remote
-from ..faults import Faults
 from ..metrics import RankCounters
-from ..remote import ForwardedFeature, Topology
-from ..transport.cuda_ipc import acknowledge
+from ..remote import Topology
+from ..transport import Transports
 from .features import Materialized
 
 
 class Local:
-    def __init__(self, topo: Topology, faults: Faults):
-        self.topo, self.faults = topo, faults
+    def __init__(self, topo: Topology, transports: Transports):
+        self.topo, self.transports = topo, transports
 
     def open(self, reqs, open_local: Callable) -> list[list]:
         return [[open_local(it, r) for it in r.items] for r in reqs]
@@ -38,12 +37,12 @@ class Shipper(Local):
         counters.bytes_forwarded += remote.ship(self.topo, keys, m.tensors, m.errors)
         for i, j in keys:
             if reqs[i].items[j].transport == "cuda_ipc":  # remote ranks never touch the pool
-                acknowledge(reqs[i].items[j], self.topo.remote_ranks, reqs[i].rid)
+                self.transports.acknowledge(reqs[i].items[j], self.topo.remote_ranks, reqs[i].rid)
 
 
 class Receiver(Local):
     def open(self, reqs, open_local: Callable) -> list[list]:
-        opened = [[ForwardedFeature(it, r.rid, self.faults) if it.transport in remote.HOST_BOUND
+        opened = [[self.transports.forwarded(it, r.rid) if it.transport in remote.HOST_BOUND
                    else open_local(it, r) for it in r.items] for r in reqs]
         keys = remote.host_bound(reqs)
         if keys:  # the leader's bytes, once per host
@@ -51,10 +50,10 @@ class Receiver(Local):
         return opened
 
 
-def forwarding(topo: Topology, faults: Faults) -> Local:
+def forwarding(topo: Topology, transports: Transports) -> Local:
     """The role of this rank (``topo.rank``) in forwarding."""
     if topo.is_remote:
-        return Receiver(topo, faults)
+        return Receiver(topo, transports)
     if topo.rank == 0 and topo.remote_hosts:
-        return Shipper(topo, faults)
-    return Local(topo, faults)
+        return Shipper(topo, transports)
+    return Local(topo, transports)

@@ -1,105 +1,72 @@
-"""Feature transports. Each subclasses ``OpenedFeature``: ``open`` (errors as data), ``materialize``, ``release``.
+"""Feature transports on a rank: one module per transport, one interface (``base.OpenedFeature``:
+open with errors as data, ``materialize``, ``release(unlink)``), and ``Transports``, the
+per-rank object that opens items and owns the handles they keep open across requests.
 
-``open_feature`` never raises: a failure is kept on the returned feature and raised by
-``materialize``. ``release`` is idempotent, never raises, and logs what it could not do.
+The client's side (creating segments and pools) is ``mmsched.producers``.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from ..faults import Faults
+from ..faults import NO_FAULTS, Faults
 from ..protocol import Item
+from .base import OpenedFeature, typed
+from .cuda_ipc import Attachments, CudaIpcFeature, acknowledge
+from .forwarded import ForwardedFeature
+from .inline import InlineFeature
+from .session import SessionFeature
+from .shm import ShmFeature
+from .shm_pool import PoolCache, PooledFeature
 
-TORCH_DTYPE = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "uint8": torch.uint8, "int8": torch.int8,
-    "int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
-}
-
-
-def typed(raw: torch.Tensor, item: Item) -> torch.Tensor:
-    """Owned uint8 bytes → the item's dtype and shape (a view: no copy)."""
-    return raw.view(TORCH_DTYPE[item.dtype]).reshape(item.shape)
+__all__ = ["ForwardedFeature", "OpenedFeature", "Transports", "typed"]
 
 
-class OpenedFeature:
-    """Errors as data, once for every transport: ``_open`` runs at construction after the
-    ``open`` fault check, and whatever it raises is kept; ``materialize`` raises it, or
-    checks the ``materialize`` fault and returns ``_read()``."""
+class Transports:
+    """One rank's transports: ``open`` picks an item's transport and never raises, ``tidy``
+    closes cached handles their owners removed. The caches (pooled shm descriptors,
+    cuda_ipc attachments and ack boards) live here, one set per rank, not in module globals."""
 
-    __slots__ = ("item", "rid", "error", "_faults")
+    def __init__(self, rank: int = 0, world: int = 1, faults: Faults = NO_FAULTS,
+                 pool_limit: int = PoolCache.LIMIT, attach_limit: int = Attachments.LIMIT):
+        self.rank, self.world, self.faults = rank, world, faults
+        self.pools = PoolCache(pool_limit)
+        self.attached = Attachments(attach_limit)
 
-    def __init__(self, item: Item, rid: str, faults: Faults):
-        self.item, self.rid, self.error, self._faults = item, rid, None, faults
-        try:
-            faults.check("open", rid)
-            self._open()
-        except Exception as exc:
-            self.error = exc
-            self._open_failed()
+    def open(self, item: Item, rid: str, lookup: Callable[[str], torch.Tensor] | None = None) -> OpenedFeature:
+        """Open one item on this rank. Never raises: errors are kept on the feature.
 
-    def _open(self) -> None:
-        """Attach to the feature; raise what went wrong."""
+        ``lookup(ref)`` resolves a session item to the session's stored tensor. The protocol
+        admits only these four transports."""
+        if item.transport == "shm":
+            if item.pooled:
+                return PooledFeature(item, rid, self.faults, self.pools)
+            return ShmFeature(item, rid, self.faults)
+        if item.transport == "inline":
+            return InlineFeature(item, rid, self.faults)
+        if item.transport == "session":
+            return SessionFeature(item, rid, self.faults, lookup)
+        return CudaIpcFeature(item, rid, self.faults, self.rank, self.world, self.attached)
 
-    def _open_failed(self) -> None:
-        """Hook: what a transport owes its producer when it will never read (cuda_ipc acks)."""
+    def forwarded(self, item: Item, rid: str) -> ForwardedFeature:
+        """A host-bound item on a rank of another host: its bytes come with the batch."""
+        return ForwardedFeature(item, rid, self.faults)
 
-    def _read(self) -> torch.Tensor:
-        raise NotImplementedError
+    def acknowledge(self, item: Item, ranks, rid: str | None = None) -> None:
+        """Acknowledge a cuda_ipc item's slot for ``ranks`` (never raises; logs)."""
+        acknowledge(item, ranks, rid, self.attached.boards)
 
-    def materialize(self) -> torch.Tensor:
-        """An owned tensor of the item's dtype and shape; raises the open error if any."""
-        if self.error is not None:
-            raise self.error
-        self._faults.check("materialize", self.rid)
-        t = self._read()
-        return self._corrupted(t) if self._faults.hit("corrupt", self.rid) else t
+    def tidy(self) -> int:
+        """Close cached pool descriptors and attachments whose file is gone or replaced and that
+        no feature reads now: a pool its owner unlinked is freed, not kept alive by this rank."""
+        return self.pools.prune() + self.attached.prune()
 
-    def _corrupted(self, t: torch.Tensor) -> torch.Tensor:
-        """The ``corrupt`` drill: a copy with its first byte flipped (``t`` may share a buffer)."""
-        raw = t.reshape(-1).view(torch.uint8).clone()
-        if raw.numel():
-            raw[0] ^= 0xFF
-        return typed(raw, self.item)
+    def clear(self) -> None:
+        """Close every idle handle (the rest on their last release): for whoever is done with them (tests)."""
+        for cache in (self.pools, self.attached.pools, self.attached.boards):
+            cache.clear()
 
-    def release(self, unlink: bool) -> bool:
-        """Close what this rank holds; ``unlink`` (the leader) also removes an owned segment.
-
-        Never raises; idempotent; False means something could not be released (and was logged)."""
-        raise NotImplementedError
-
-
-def prune_idle() -> int:
-    """Close cached pool descriptors and attachments whose file is gone or replaced and that
-    no feature reads now: a pool its owner unlinked is freed, not kept alive by this rank."""
-    from .cuda_ipc import ATTACHED
-    from .shm_pool import POOLS
-
-    return POOLS.prune() + ATTACHED.prune()
-
-
-def open_feature(item: Item, rid: str, faults: Faults, lookup=None, rank: int = 0,
-                 world: int = 1) -> OpenedFeature:
-    """Open one item on this rank. Never raises: errors are kept on the feature.
-
-    ``lookup(ref)`` resolves a session item to the session's stored tensor. The protocol
-    admits only these four transports.
-    """
-    if item.transport == "shm":
-        if item.pooled:
-            return shm_pool.PooledFeature(item, rid, faults)
-        return shm.ShmFeature(item, rid, faults)
-    if item.transport == "inline":
-        return inline.InlineFeature(item, rid, faults)
-    if item.transport == "session":
-        from ..sessions import SessionFeature
-
-        return SessionFeature(item, rid, faults, lookup)
-    return cuda_ipc.CudaIpcFeature(item, rid, faults, rank, world)
-
-
-# Imported here, once OpenedFeature exists (they extend it), and at start-up rather than on
-# first use: an import inside a batch that meets a descriptor limit (EMFILE) would break
-# the group. Sessions import this package; batch.py imports them at start-up.
-from . import cuda_ipc, inline, shm, shm_pool  # noqa: E402
+    def __repr__(self) -> str:
+        return f"<Transports rank={self.rank}/{self.world} {self.pools!r} {self.attached.pools!r}>"

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import InjectedFault, describe
 from ..log import event
-from . import OpenedFeature, typed
+from .base import OpenedFeature, typed
 
 
 class InlineFeature(OpenedFeature):

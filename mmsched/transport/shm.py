@@ -1,4 +1,4 @@
-"""POSIX shared-memory features: the consumer (every rank) and the producer (clients).
+"""POSIX shared-memory features on the ranks (the client's side is ``mmsched.producers``).
 
 The consumer never maps a segment: it reads the bytes with ``preadv`` into an owned
 tensor. A segment that shrinks or vanishes while being read gives a short read (an
@@ -10,31 +10,19 @@ tells the orphan sweep the segment is alive.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
-import secrets
 import stat
 
-import numpy as np
 import torch
 
-from ..errors import FeatureError, InjectedFault, ShmFull, describe
+from ..errors import FeatureError, InjectedFault, describe
 from ..faults import Faults
 from ..log import event
 from ..protocol import Item
-from . import OpenedFeature, typed
-
-SHM_DIR = "/dev/shm"
-
-
-class SegmentTooSmall(FeatureError):
-    """The segment holds fewer bytes than offset + nbytes (or shrank while being read)."""
-
-
-def shm_path(name: str) -> str:
-    return os.path.join(SHM_DIR, name)
+from ..segments import SegmentTooSmall, read_into, shm_path
+from .base import OpenedFeature, typed
 
 
 class ShmFeature(OpenedFeature):
@@ -106,17 +94,6 @@ def open_segment(name: str) -> int:
     return fd
 
 
-def read_into(fd: int, dst: np.ndarray, offset: int, name: str) -> None:
-    """Fill ``dst`` (uint8, contiguous) from the segment at ``offset``; a short read is an error."""
-    view = memoryview(dst).cast("B")
-    pos, n = 0, view.nbytes
-    while pos < n:
-        got = os.preadv(fd, [view[pos:]], offset + pos)
-        if got <= 0:
-            raise SegmentTooSmall(f"segment {name} ended after {offset + pos} bytes while being read")
-        pos += got
-
-
 def unlink_segment(name: str, rid: str | None = None, quiet_if_missing: bool = False) -> bool:
     """Unlink one owned segment; never raises. True if this call removed it."""
     try:
@@ -166,80 +143,3 @@ class Holds:
     def __len__(self) -> int:
         """Descriptors held."""
         return len(self._held)
-
-
-# ---------------------------------------------------------------- producer (client side)
-
-class Segment:
-    """A segment this process created, locked (shared flock) until it is sent.
-
-    Ownership passes to mmsched when the request is sent (contract guarantee 4); the
-    client library keeps the lock until the request's result arrives and then calls
-    ``sent()``, so no orphan sweep can take a segment in flight. A segment that was never
-    sent is removed with ``discard()``.
-    """
-
-    __slots__ = ("name", "nbytes", "_fd")
-
-    def __init__(self, name: str, nbytes: int, fd: int):
-        self.name, self.nbytes, self._fd = name, nbytes, fd
-
-    @property
-    def fd(self) -> int:
-        """The producer's read-write descriptor (holding the shared lock), -1 once sent."""
-        return self._fd
-
-    def sent(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def discard(self) -> None:
-        self.sent()
-        try:
-            os.unlink(shm_path(self.name))
-        except FileNotFoundError:
-            pass
-
-    def __repr__(self) -> str:
-        return f"<Segment {self.name} {self.nbytes}B {'locked' if self._fd >= 0 else 'sent'}>"
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a tensor in row-major order (bf16 and bool included)."""
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
-def new_name(prefix: str) -> str:
-    """``<prefix><pid>_<random>``: the creator is visible, collisions are not."""
-    return f"{prefix}{os.getpid()}_{secrets.token_hex(8)}"
-
-
-def create_segment(data, prefix: str = "mmsched_", size: int | None = None) -> Segment:
-    """Write ``data`` (tensor or bytes-like) into a new segment, pages reserved up front.
-
-    ``posix_fallocate`` makes a full /dev/shm an ``ShmFull`` here instead of a SIGBUS
-    later. ``size`` may exceed the data (a segment that holds more than one item).
-    """
-    buf = tensor_bytes(data) if isinstance(data, torch.Tensor) else memoryview(data).cast("B")
-    size = buf.nbytes if size is None else size
-    name = new_name(prefix)
-    fd = os.open(shm_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        if size:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                    raise ShmFull(f"cannot reserve {size} bytes in {SHM_DIR}: {exc.strerror}") from exc
-                raise
-        pos = 0
-        while pos < buf.nbytes:
-            pos += os.pwrite(fd, buf[pos:], pos)
-    except BaseException:
-        os.close(fd)
-        os.unlink(shm_path(name))
-        raise
-    return Segment(name, size, fd)

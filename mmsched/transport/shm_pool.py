@@ -8,23 +8,22 @@ its pool until it is released (``leases.py``): a descriptor is never closed unde
 pread, not copied out of a mapping: the owner may truncate its pool at any moment, and a
 mapping touched past the file's end is a SIGBUS that kills the rank, where a short read
 is an error for one request. (A kept mapping copies faster, ~1.1x vs ~0.7x of an
-in-process copy at 16 MiB; safety first.) The client's ``ShmPool`` hands out slices
-and takes each back when its request's result arrives, whatever the status: by then
-no rank reads it (contract guarantee 5).
+in-process copy at 16 MiB; safety first.) The client's side is ``mmsched.producers.shm_pool``.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+
 import torch
 
 from ..errors import FeatureError
 from ..faults import Faults
 from ..protocol import Item
-from . import OpenedFeature, typed
+from ..segments import SegmentTooSmall, read_into, shm_path
+from .base import OpenedFeature, typed
 from .leases import LeasedCache
-from .shm import SegmentTooSmall, create_segment, read_into, shm_path, tensor_bytes
 
 
 class _OpenPool:
@@ -58,15 +57,15 @@ class _OpenPool:
 
 
 class PoolCache(LeasedCache[str, _OpenPool]):
-    """Per rank: open pools by name, checked against the file on every lease; never unlinks.
+    """Per rank (``Transports`` holds one): open pools by name, checked against the file on
+    every lease; never unlinks. ``limit`` bounds the idle pools kept open; a batch naming
+    more still reads each one."""
 
-    ``limit`` bounds the idle pools kept open; a batch naming more still reads each one."""
+    LIMIT = 32
 
-    def __init__(self, limit: int = 32):
+    def __init__(self, limit: int = LIMIT):
         super().__init__("shm_pools", _OpenPool, _OpenPool.close, lambda name, pool: pool.is_current(), limit)
 
-
-POOLS = PoolCache()
 
 
 class PooledFeature(OpenedFeature):
@@ -79,7 +78,7 @@ class PooledFeature(OpenedFeature):
 
     __slots__ = ("_lease", "_cache")
 
-    def __init__(self, item: Item, rid: str, faults: Faults, cache: PoolCache = POOLS):
+    def __init__(self, item: Item, rid: str, faults: Faults, cache: PoolCache):
         self._lease, self._cache = None, cache
         super().__init__(item, rid, faults)
 
@@ -101,55 +100,3 @@ class PooledFeature(OpenedFeature):
             self._cache.release(self._lease)
             self._lease = None
         return True
-
-
-# ---------------------------------------------------------------- producer (client side)
-
-class ShmPool:
-    """One long-lived segment; first-fit slices, 64-byte aligned, freed when results arrive."""
-
-    ALIGN = 64
-
-    def __init__(self, size: int, prefix: str = "mmsched_"):
-        self.segment = create_segment(b"", prefix, size=size)  # locked for the pool's life
-        self.name, self.size = self.segment.name, size
-        self._holes: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted, coalesced
-        self.num_leased = 0
-
-    def put(self, t: torch.Tensor) -> int | None:
-        """Write ``t`` into a free slice; its offset, or None when no hole is big enough."""
-        buf = tensor_bytes(t)
-        need = max(self.ALIGN, -(-buf.nbytes // self.ALIGN) * self.ALIGN)
-        for i, (off, length) in enumerate(self._holes):
-            if length >= need:
-                self._holes[i: i + 1] = [(off + need, length - need)] if length > need else []
-                break
-        else:
-            return None
-        pos = 0
-        while pos < buf.nbytes:
-            pos += os.pwrite(self.segment.fd, buf[pos:], off + pos)
-        self.num_leased += 1
-        return off
-
-    def free(self, offset: int, nbytes: int) -> None:
-        length = max(self.ALIGN, -(-nbytes // self.ALIGN) * self.ALIGN)
-        holes = sorted(self._holes + [(offset, length)])
-        merged: list[tuple[int, int]] = []
-        for off, ln in holes:
-            if merged and merged[-1][0] + merged[-1][1] == off:
-                merged[-1] = (merged[-1][0], merged[-1][1] + ln)
-            else:
-                merged.append((off, ln))
-        self._holes = merged
-        self.num_leased -= 1
-
-    @property
-    def bytes_free(self) -> int:
-        return sum(ln for _, ln in self._holes)
-
-    def close(self) -> None:
-        self.segment.discard()
-
-    def __repr__(self) -> str:
-        return f"<ShmPool {self.name} leased={self.num_leased} free={self.bytes_free}/{self.size}>"

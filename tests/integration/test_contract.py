@@ -15,15 +15,12 @@ import torch
 import zmq
 
 from mmsched.client import Client, inline, raw, shm
-from mmsched.transport.shm import create_segment, tensor_bytes
+from mmsched.producers import create_segment
+from mmsched.protocol import dtype_name
+from mmsched.segments import tensor_bytes
 from tests.conftest import Server
 
 PREFIX = "mmsched_"
-DTYPE_NAME = {
-    torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64",
-    torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32",
-    torch.int64: "int64", torch.bool: "bool",
-}
 FAILED_PREFIX = "Multimodal feature reconstruction failed (rank 0: "
 
 
@@ -40,7 +37,7 @@ def sha256_of(t: torch.Tensor) -> str:
 def seg_item(t: torch.Tensor, **extra):
     """An shm item map for ``t`` in a fresh segment; call ``seg.sent()`` once the request is out."""
     seg = create_segment(t, PREFIX)
-    item = {"modality": "image", "transport": "shm", "dtype": DTYPE_NAME[t.dtype], "shape": list(t.shape),
+    item = {"modality": "image", "transport": "shm", "dtype": dtype_name(t.dtype), "shape": list(t.shape),
             "shm_name": seg.name, **extra}
     return item, seg
 

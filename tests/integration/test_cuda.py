@@ -28,7 +28,8 @@ def group(tmp_path_factory):
 
 @pytest.fixture
 def pool():
-    from mmsched.transport.cuda_ipc import CudaDevice, IpcPool
+    from mmsched.devices import CudaDevice
+    from mmsched.producers import IpcPool
 
     p = IpcPool(CudaDevice(), slots=4, slot_bytes=SLOT, ranks=2)
     yield p

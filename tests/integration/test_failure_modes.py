@@ -27,7 +27,7 @@ import pytest
 import zmq
 
 from mmsched.client import Client, raw
-from mmsched.transport.shm import create_segment
+from mmsched.producers import create_segment
 
 from ..conftest import Server, sync_ping
 from ..conftest import pid_alive as alive

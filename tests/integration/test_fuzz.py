@@ -23,10 +23,10 @@ import zmq
 from hypothesis import HealthCheck, Phase, configuration, given, settings
 from hypothesis import strategies as st
 
+from mmsched.protocol import ITEMSIZE
+
 PREFIX = "mmsched_"
 TAG = uuid.uuid4().hex[:6]
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "uint8": 1, "int8": 1, "int16": 2,
-            "int32": 4, "int64": 8, "bool": 1}
 REPLY_TIMEOUT = 5.0
 
 

@@ -44,9 +44,10 @@ import zmq
 
 from mmsched.errors import BadRequest
 from mmsched.protocol import ITEMSIZE, SMALL_HEADER, Limits, Unread, readable_rid, unpack_header
-from mmsched.transport.cuda_ipc import IpcPool, ShmDevice
-from mmsched.transport.shm import create_segment
-from mmsched.transport.shm_pool import ShmPool
+from mmsched.devices import ShmDevice
+from mmsched.producers import IpcPool
+from mmsched.producers import create_segment
+from mmsched.producers import ShmPool
 
 from ..conftest import Server, sync_ping
 from ..conftest import pid_alive as alive

@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from mmsched.client import Client, inline, pooled, raw, shm
-from mmsched.transport.shm_pool import POOLS, ShmPool
+from mmsched.producers import ShmPool
+from mmsched.transport.shm_pool import PoolCache
 from tests.conftest import Server
 from tests.integration.lifecycle import replace_segment
 
-CACHE_BOUND = POOLS.limit  # the idle pools a rank keeps open
+CACHE_BOUND = PoolCache.LIMIT  # the idle pools a rank keeps open
 DISTINCT = 3 * CACHE_BOUND  # the contract asks for at least 2.5x
 
 
@@ -191,11 +192,13 @@ def test_ranks_hold_no_descriptor_of_a_pool_they_no_longer_need(server, own_pool
 async def test_more_ipc_pools_in_one_burst_than_a_rank_keeps_attached(server):
     """Each request from its own cuda_ipc pool (3x the attachment bound): every 200 carries its
     own bytes, and every rank acknowledges every slot."""
-    from mmsched.transport.cuda_ipc import ATTACHED, IpcPool, ShmDevice
+    from mmsched.devices import ShmDevice
+    from mmsched.producers import IpcPool
+    from mmsched.transport.cuda_ipc import Attachments
 
     world = 2 if "--tp" in server.proc.args else 1
     pools = [IpcPool(ShmDevice(), slots=1, slot_bytes=16 << 10, ranks=world)
-             for _ in range(3 * ATTACHED.pools.limit)]
+             for _ in range(3 * Attachments.LIMIT)]
     try:
         want, futs = {}, {}
         async with Client(server.addr) as c:
@@ -223,7 +226,8 @@ async def test_an_ipc_pool_recreated_under_its_name_is_read_and_acked_anew(serve
     buffer nor acknowledge into the new board (that would free the new lease's slot before
     any rank read it: the producer's next write would then reach a 200). Requests for the
     new pool read it and acknowledge on its board."""
-    from mmsched.transport.cuda_ipc import IpcPool, ShmDevice
+    from mmsched.devices import ShmDevice
+    from mmsched.producers import IpcPool
 
     world = 2 if "--tp" in server.proc.args else 1
     pool = IpcPool(ShmDevice(), slots=1, slot_bytes=16 << 10, ranks=world)

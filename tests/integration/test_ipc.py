@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from mmsched.client import Client, cuda_ipc, ref, shm
-from mmsched.transport.cuda_ipc import IpcPool, ShmDevice
+from mmsched.devices import ShmDevice
+from mmsched.producers import IpcPool
 
 from ..conftest import Server
 from .lifecycle import captured, expect, feature, hold_lane, my_segments, no_extra_results, sha256_of

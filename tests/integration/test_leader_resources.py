@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from mmsched.client import Client, raw, ref, shm
-from mmsched.transport.shm import create_segment
+from mmsched.producers import create_segment
 
 from ..conftest import Server, shm_segments, sync_ping
 from .lifecycle import expect, feature, my_segments, sha256_of, wait_until

@@ -23,7 +23,7 @@ import pytest
 import zmq
 
 from mmsched.client import Client, raw
-from mmsched.transport.shm import Segment, create_segment
+from mmsched.producers import Segment, create_segment
 
 from ..conftest import Server, sync_ping
 

@@ -39,8 +39,9 @@ import pytest
 import torch
 
 from mmsched.client import Client, cuda_ipc, inline, pooled, raw, ref, shm
-from mmsched.transport.cuda_ipc import IpcPool, ShmDevice
-from mmsched.transport.shm_pool import ShmPool
+from mmsched.devices import ShmDevice
+from mmsched.producers import IpcPool
+from mmsched.producers import ShmPool
 
 from ..conftest import sync_ping
 

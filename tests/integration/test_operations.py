@@ -21,7 +21,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmsched.client import Client, raw
-from mmsched.transport.shm import create_segment
+from mmsched.producers import create_segment
 from tests.conftest import PREFIX, Server, shm_segments, sync_ping
 
 # ---------------------------------------------------------------- helpers

@@ -13,7 +13,7 @@ import uuid
 import torch
 
 from mmsched.client import Client, raw, shm
-from mmsched.transport.shm import create_segment
+from mmsched.producers import create_segment
 from tests.conftest import sync_ping
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from mmsched.client import Client, raw
-from mmsched.transport.shm import create_segment
-from mmsched.transport.shm_pool import ShmPool
+from mmsched.producers import create_segment
+from mmsched.producers import ShmPool
 
 from ..conftest import Server, sync_ping
 

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from mmsched.client import Client, inline, pooled, raw, shm
-from mmsched.transport.shm_pool import POOLS, ShmPool
+from mmsched.producers import ShmPool
+from mmsched.transport.shm_pool import PoolCache
 
 from ..conftest import Server
 from .lifecycle import my_segments, sha256_of
@@ -73,7 +74,7 @@ async def test_soak(tmp_path):
     features = [torch.randn(*shape, generator=torch.Generator().manual_seed(k))
                 for k, shape in enumerate([(4, 4), (8, 16), (16, 16), (3, 5, 7), (64,), (2, 128)] * 4)]
     digests = [sha256_of(t) for t in features]
-    own = [ShmPool(4096) for _ in range(3 * POOLS.limit)]  # pool j holds features[j % len(features)]
+    own = [ShmPool(4096) for _ in range(3 * PoolCache.LIMIT)]  # pool j holds features[j % len(features)]
     own_items = []
     for j, pool in enumerate(own):
         t = features[j % len(features)]

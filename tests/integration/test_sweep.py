@@ -21,7 +21,7 @@ import pytest
 
 from mmsched import cli
 from mmsched.sweep import sweep
-from mmsched.transport.shm import create_segment
+from mmsched.producers import create_segment
 
 from ..conftest import Server
 from .lifecycle import wait_until
@@ -95,7 +95,7 @@ def sweep_subprocess(*args: str) -> str:
 
 CHILD = """
 import sys, time
-from mmsched.transport.shm import create_segment
+from mmsched.producers import create_segment
 segs = [create_segment(bytes(range(256)) * 16, prefix=sys.argv[1]) for _ in range(3)]
 print(" ".join(s.name for s in segs), flush=True)
 time.sleep(120)

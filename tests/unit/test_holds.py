@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from mmsched.transport.shm import Holds, create_segment
+from mmsched.producers import create_segment
+from mmsched.transport.shm import Holds
 
 from .test_transport import exclusively_lockable
 

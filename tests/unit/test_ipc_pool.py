@@ -2,7 +2,7 @@
 leases, the per-rank ack board, generations, and the consumer side's acknowledgement on
 every path (materialized, released unread, failed to open, misconfigured).
 
-No server: the producer (``IpcPool``) and the consumer (``open_feature`` → ``CudaIpcFeature``)
+No server: the producer (``IpcPool``) and the consumer (``Transports.open`` → ``CudaIpcFeature``)
 run in this process, over real /dev/shm segments.
 """
 
@@ -17,9 +17,11 @@ import torch
 from mmsched.errors import FeatureError, InjectedFault
 from mmsched.faults import NO_FAULTS, Fault, Faults
 from mmsched.protocol import Limits, decode, pack
-from mmsched.transport import open_feature
-from mmsched.transport.cuda_ipc import CudaIpcFeature, IpcPool, ShmDevice, acknowledge
-from mmsched.transport.shm import shm_path
+from mmsched.devices import ShmDevice
+from mmsched.producers import IpcPool
+from mmsched.segments import shm_path
+from mmsched.transport import Transports
+from mmsched.transport.cuda_ipc import AckBoard, CudaIpcFeature, acknowledge
 from tests.integration.lifecycle import replace_segment
 
 SLOT = 1024
@@ -39,6 +41,20 @@ def make_pool():
         p.close()
 
 
+@pytest.fixture
+def ranks():
+    """``ranks(rank, world, faults)``: that rank's transports, its cached handles closed after the test."""
+    made: list[Transports] = []
+
+    def make(rank: int, world: int, faults: Faults = NO_FAULTS) -> Transports:
+        made.append(Transports(rank, world, faults))
+        return made[-1]
+
+    yield make
+    for t in made:
+        t.clear()
+
+
 def tensor(seed: int, n: int = 64) -> torch.Tensor:
     return torch.randn(n, generator=torch.Generator().manual_seed(seed))
 
@@ -53,7 +69,11 @@ def item_for(pool: IpcPool, t: torch.Tensor, lease):
 
 def ack(pool: IpcPool, lease, rank: int, generation: int) -> None:
     """What a rank writes after copying ``lease`` (as of ``generation``)."""
-    pool.board.ack({"ranks": pool.ranks, "slot": lease.slot, "generation": generation}, rank)
+    board = AckBoard(pool.board.name)
+    try:
+        board.ack({"ranks": pool.ranks, "slot": lease.slot, "generation": generation}, rank)
+    finally:
+        board.close()
 
 
 def cell(pool: IpcPool, slot: int, rank: int) -> int:
@@ -136,14 +156,14 @@ def test_close_removes_the_pool_segments(make_pool):
 
 # ---------------------------------------------------------------- consumer: the feature
 
-def test_feature_materializes_the_slot_bytes_and_acknowledges(make_pool):
+def test_feature_materializes_the_slot_bytes_and_acknowledges(make_pool, ranks):
     pool = make_pool(slots=4, ranks=2)
     pool.lease(tensor(0))  # slot 0 taken, so the feature reads at a non-zero offset
     t = tensor(7, 48).reshape(6, 8)
     lease = pool.lease(t)
     assert lease.offset == SLOT
     item = item_for(pool, t, lease)
-    f0 = open_feature(item, "r", NO_FAULTS, None, 0, 2)
+    f0 = ranks(0, 2, NO_FAULTS).open(item, "r")
     assert isinstance(f0, CudaIpcFeature) and f0.error is None
     out = f0.materialize()
     assert out.dtype == torch.float32 and out.shape == (6, 8)
@@ -155,51 +175,51 @@ def test_feature_materializes_the_slot_bytes_and_acknowledges(make_pool):
     # the copy is owned: the producer may overwrite the slot without changing it
     pool.device.write(pool.buffer, lease.offset, torch.zeros_like(t))
     assert torch.equal(out, t)
-    f1 = open_feature(item, "r", NO_FAULTS, None, 1, 2)
+    f1 = ranks(1, 2, NO_FAULTS).open(item, "r")
     assert torch.equal(f1.materialize(), torch.zeros_like(t))
     f1.release(unlink=False)
     assert pool.reclaim() == 1
 
 
-def test_feature_released_without_materializing_still_acknowledges(make_pool):
+def test_feature_released_without_materializing_still_acknowledges(make_pool, ranks):
     """A request failed or aborted before this rank copied its slice."""
     pool = make_pool(slots=2, ranks=2)
     t = tensor(3)
     lease = pool.lease(t)
     item = item_for(pool, t, lease)
     for rank in (0, 1):
-        f = open_feature(item, "r", NO_FAULTS, None, rank, 2)
+        f = ranks(rank, 2, NO_FAULTS).open(item, "r")
         assert f.error is None
         f.release(unlink=rank == 0)
     assert [cell(pool, lease.slot, r) for r in (0, 1)] == [lease.generation] * 2
     assert pool.reclaim() == 1
 
 
-def test_feature_whose_open_fails_acknowledges_at_once(make_pool):
+def test_feature_whose_open_fails_acknowledges_at_once(make_pool, ranks):
     pool = make_pool(slots=2, ranks=2)
     t = tensor(4)
     lease = pool.lease(t)
     item = item_for(pool, t, lease)
     faults = Faults([Fault.parse("1:open:bad-*")], 1)
-    f1 = open_feature(item, "bad-1", faults, None, 1, 2)
+    f1 = ranks(1, 2, faults).open(item, "bad-1")
     assert isinstance(f1.error, InjectedFault)
     assert cell(pool, lease.slot, 1) == lease.generation  # this rank will never read it: acked already
     with pytest.raises(InjectedFault):
         f1.materialize()
     f1.release(unlink=False)
     assert cell(pool, lease.slot, 1) == lease.generation
-    f0 = open_feature(item, "bad-1", Faults([Fault.parse("1:open:bad-*")], 0), None, 0, 2)  # rank 1's fault only
+    f0 = ranks(0, 2, Faults([Fault.parse("1:open:bad-*")], 0)).open(item, "bad-1")  # rank 1's fault only
     assert torch.equal(f0.materialize(), t)
     assert pool.reclaim() == 1
 
 
-def test_feature_with_a_missing_pool_keeps_the_error_and_acknowledges(make_pool):
+def test_feature_with_a_missing_pool_keeps_the_error_and_acknowledges(make_pool, ranks):
     pool = make_pool(slots=2, ranks=2)
     t = tensor(5)
     lease = pool.lease(t)
     item = item_for(pool, t, lease)
     item.ipc = dict(item.ipc, handle=b"mmsched_no_such_pool_" + os.urandom(4).hex().encode())
-    f = open_feature(item, "r", NO_FAULTS, None, 0, 2)
+    f = ranks(0, 2, NO_FAULTS).open(item, "r")
     assert isinstance(f.error, FileNotFoundError)
     with pytest.raises(FileNotFoundError):
         f.materialize()
@@ -207,14 +227,14 @@ def test_feature_with_a_missing_pool_keeps_the_error_and_acknowledges(make_pool)
     assert cell(pool, lease.slot, 0) == lease.generation
 
 
-def test_ack_board_too_small_for_the_group_is_an_error_on_the_feature(make_pool, caplog):
+def test_ack_board_too_small_for_the_group_is_an_error_on_the_feature(make_pool, caplog, ranks):
     """The producer sized its board for 1 rank; the group has 2."""
     pool = make_pool(slots=2, ranks=1)
     t = tensor(6)
     a = pool.lease(t)
     b = pool.lease(tensor(7))  # the neighbouring slot, leased and not yet read by anyone
     item = item_for(pool, t, a)
-    f = open_feature(item, "r", NO_FAULTS, None, 1, 2)
+    f = ranks(1, 2, NO_FAULTS).open(item, "r")
     assert isinstance(f.error, FeatureError)
     assert "rank columns" in str(f.error), f.error
     with pytest.raises(FeatureError):
@@ -242,7 +262,7 @@ def test_the_leader_acknowledges_for_every_rank_when_none_will_read(make_pool):
     assert pool.reclaim() == 1
 
 
-def test_acks_for_a_board_re_created_under_its_name_go_nowhere(make_pool):
+def test_acks_for_a_board_re_created_under_its_name_go_nowhere(make_pool, ranks):
     """A producer that re-creates its pool and board under the same names restarts at
     generation 1: the acks of requests sent to the old board must not free the new leases."""
     pool = make_pool(slots=1, ranks=1)
@@ -250,7 +270,7 @@ def test_acks_for_a_board_re_created_under_its_name_go_nowhere(make_pool):
     old = item_for(pool, t, pool.lease(t))
     assert old.ipc["acks_id"] == pool.board.inode
     replace_segment(pool.board.name, bytes(8))  # re-created: same name, new inode, no acks yet
-    f = open_feature(old, "r", NO_FAULTS, None, 0, 1)
+    f = ranks(0, 1, NO_FAULTS).open(old, "r")
     assert "re-created since the request was sent" in str(f.error)  # a 500, not the new pool's bytes
     f.release(unlink=True)
     acknowledge(old, [0])

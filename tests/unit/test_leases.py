@@ -20,9 +20,9 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from mmsched.faults import Faults
 from mmsched.protocol import Item
-from mmsched.transport import cuda_ipc, prune_idle
-from mmsched.transport.cuda_ipc import CudaIpcFeature
-from mmsched.transport.shm import shm_path
+from mmsched.segments import shm_path
+from mmsched.transport import Transports
+from mmsched.transport.cuda_ipc import Attachments, CudaIpcFeature
 from mmsched.transport.shm_pool import PoolCache, PooledFeature
 from tests.integration.lifecycle import replace_segment
 
@@ -131,7 +131,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.live.pop(id(f), None)
 
     @rule()
-    def prune_idle(self):
+    def tidy(self):
         self.prune()
 
     @invariant()
@@ -176,7 +176,7 @@ class AttachmentMachine(CacheMachine):
     caches = 2  # attachments and ack boards
 
     def setup(self):
-        self._saved, cuda_ipc.ATTACHED = cuda_ipc.ATTACHED, cuda_ipc._Attachments(limit=LIMIT)
+        self.attached = Attachments(limit=LIMIT)
 
     def created(self, name):
         replace_segment(f"{name}.acks", bytes(8))  # re-created with its pool, as a producer does
@@ -189,18 +189,17 @@ class AttachmentMachine(CacheMachine):
                "offset": offset, "generation": 1}
         item = Item(index=0, modality="image", transport="cuda_ipc", dtype="uint8", shape=(nbytes,),
                     nbytes=nbytes, ipc=ipc)
-        return CudaIpcFeature(item, "r", NO_FAULTS, rank=0, world=1)
+        return CudaIpcFeature(item, "r", NO_FAULTS, 0, 1, self.attached)
 
     def cached_open(self):
-        return cuda_ipc.ATTACHED.pools.num_open + cuda_ipc.ATTACHED.boards.num_open
+        return self.attached.pools.num_open + self.attached.boards.num_open
 
     def prune(self):
-        cuda_ipc.ATTACHED.prune()
+        self.attached.prune()
 
     def close_caches(self):
-        cuda_ipc.ATTACHED.pools.clear()
-        cuda_ipc.ATTACHED.boards.clear()
-        cuda_ipc.ATTACHED = self._saved
+        self.attached.pools.clear()
+        self.attached.boards.clear()
 
     def teardown(self):
         try:
@@ -217,21 +216,20 @@ TestPoolCache = PoolMachine.TestCase
 TestAttachments = AttachmentMachine.TestCase
 
 
-def test_prune_idle_drops_a_pool_its_owner_unlinked():
+def test_tidy_drops_a_pool_its_owner_unlinked():
     """An unlinked pool must not stay allocated through a rank's cached descriptor."""
-    from mmsched.transport.shm_pool import POOLS
-
+    transports = Transports()
     name = f"mmsched_prune{uuid.uuid4().hex[:8]}"
     replace_segment(name, b"\x05" * 128)
     item = Item(index=0, modality="image", transport="shm", dtype="uint8", shape=(16,), nbytes=16,
                 shm_name=name, pooled=True)
-    f = PooledFeature(item, "r", NO_FAULTS)
-    assert bytes(f.materialize().numpy()) == b"\x05" * 16
+    f = transports.open(item, "r")
+    assert isinstance(f, PooledFeature) and bytes(f.materialize().numpy()) == b"\x05" * 16
     f.release(unlink=True)
     assert fds_into(name) == 1  # kept open for the pool's next request
     os.unlink(shm_path(name))
-    prune_idle()
-    assert fds_into(name) == 0 and name not in POOLS._entries
+    assert transports.tidy() == 1
+    assert fds_into(name) == 0 and name not in transports.pools._entries
 
 
 def cells(board: str) -> list[int]:
@@ -242,17 +240,17 @@ def cells(board: str) -> list[int]:
 
 def test_a_replaced_ack_board_gets_the_acks():
     """A pool re-created under its name: acks go to the new board, not the old one."""
-    name = f"mmsched_board{uuid.uuid4().hex[:8]}"
+    name, transports = f"mmsched_board{uuid.uuid4().hex[:8]}", Transports(0, 2)
     replace_segment(name, bytes(16))
     try:
         item = Item(index=0, modality="image", transport="cuda_ipc", dtype="uint8", shape=(1,), nbytes=1,
                     ipc={"device": "shm", "handle": b"x", "acks": name, "ranks": 2, "slot": 0, "offset": 0,
                          "generation": 3})
-        cuda_ipc.acknowledge(item, [0])
+        transports.acknowledge(item, [0])
         assert cells(name) == [3, 0]
         replace_segment(name, bytes(16))  # the producer made a new pool (and board) under the same name
-        cuda_ipc.acknowledge(item, [1])
+        transports.acknowledge(item, [1])
         assert cells(name) == [0, 3]
     finally:
         os.unlink(shm_path(name))
-        cuda_ipc.ATTACHED.boards.prune()
+        transports.clear()

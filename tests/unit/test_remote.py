@@ -11,16 +11,15 @@ import torch
 
 from mmsched import remote
 from mmsched.faults import Faults
-from mmsched.protocol import Item
-from mmsched.remote import ForwardedFeature, Topology
+from mmsched.protocol import Item, dtype_name
+from mmsched.remote import Topology
+from mmsched.transport import ForwardedFeature
 
 NO_FAULTS = Faults([], 1)
-WIDTHS = {torch.uint8: "uint8", torch.bool: "bool", torch.float32: "float32", torch.float64: "float64",
-          torch.bfloat16: "bfloat16", torch.int16: "int16"}
 
 
 def item(t: torch.Tensor, index: int = 0, id: str | None = None) -> Item:
-    return Item(index=index, modality="image", transport="shm", dtype=WIDTHS[t.dtype], shape=tuple(t.shape),
+    return Item(index=index, modality="image", transport="shm", dtype=dtype_name(t.dtype), shape=tuple(t.shape),
                 nbytes=t.numel() * t.element_size(), shm_name=f"mmsched_x{index}", id=id)
 
 

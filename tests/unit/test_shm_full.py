@@ -16,10 +16,11 @@ import subprocess
 import pytest
 import torch
 
-from mmsched.client import Client, _Held, inline, shm
+from mmsched import segments
+from mmsched.client import Client, inline, shm
 from mmsched.errors import ShmFull
-from mmsched.transport import shm as shm_mod
-from mmsched.transport.shm import create_segment
+from mmsched.producers.features import Held
+from mmsched.producers import create_segment
 
 SIZE = 1 << 20
 
@@ -36,7 +37,7 @@ def full_shm(tmp_path, monkeypatch):
         pytest.skip(f"cannot mount a tmpfs here: {exc}")
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    monkeypatch.setattr(shm_mod, "SHM_DIR", str(mnt))
+    monkeypatch.setattr(segments, "SHM_DIR", str(mnt))
     try:
         yield str(mnt)
     finally:
@@ -81,9 +82,8 @@ def test_what_is_left_counts_not_the_total(full_shm):
 
 async def test_the_client_falls_back_to_inline_and_logs_it(full_shm, client_warnings):
     t = torch.arange(SIZE // 2, dtype=torch.float32)  # 2 MiB: cannot fit
-    c = Client("ipc:///nonexistent-mmsched-test.sock")  # _item needs no connection
-    frames, held = [], _Held(c)
-    item = c._item(shm(t, id="big"), frames, held)
+    frames, held = [], Held()  # what Client.send_request builds: no connection needed
+    item = held.item(shm(t, id="big"), frames)
     segments = held.segments
     assert item["transport"] == "inline" and item["frame"] == 1
     assert (item["dtype"], item["shape"], item["id"]) == ("float32", [SIZE // 2], "big")

@@ -16,8 +16,9 @@ from mmsched.client import Client, pooled
 from mmsched.faults import Faults
 from mmsched.protocol import Item
 from mmsched.sweep import sweep
-from mmsched.transport.shm import shm_path
-from mmsched.transport.shm_pool import PoolCache, PooledFeature, ShmPool
+from mmsched.producers import ShmPool
+from mmsched.segments import shm_path
+from mmsched.transport.shm_pool import PoolCache, PooledFeature
 from tests.integration.lifecycle import replace_segment
 
 NO_FAULTS = Faults([], 0)
@@ -198,7 +199,7 @@ async def test_slices_are_reused_only_after_their_result(start_server, pools):
 def test_a_dead_clients_pool_is_left_to_the_sweep():
     """A client SIGKILLed while holding its pool: the segment stays locked while it lives, the sweep takes it after."""
     prefix = f"mmsched_t{uuid.uuid4().hex[:8]}_"  # this test's segments only: the sweep below touches nothing else
-    code = ("import sys, time\nfrom mmsched.transport.shm_pool import ShmPool\n"
+    code = ("import sys, time\nfrom mmsched.producers import ShmPool\n"
             f"p = ShmPool(1 << 16, {prefix!r})\nprint(p.name, flush=True)\ntime.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

@@ -18,18 +18,15 @@ import torch
 import mmsched
 from mmsched.errors import InjectedFault
 from mmsched.faults import Fault, Faults
-from mmsched.protocol import Item, Limits, decode
+from mmsched.producers import create_segment
+from mmsched.protocol import DTYPES, Item, Limits, decode, torch_dtype
+from mmsched.segments import SegmentTooSmall, shm_path, tensor_bytes
 from mmsched.transport.inline import InlineFeature
-from mmsched.transport.shm import SegmentTooSmall, ShmFeature, create_segment, shm_path, tensor_bytes
+from mmsched.transport.shm import ShmFeature
 
 NO_FAULTS = Faults([], 0)
 LIMITS = Limits()
 PREFIX = LIMITS.shm_prefix
-DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
-    "int32": torch.int32, "int64": torch.int64, "bool": torch.bool,
-}
 
 
 @pytest.fixture
@@ -101,9 +98,9 @@ def exclusively_lockable(name: str) -> bool:
 
 # ---------------------------------------------------------------- round trips
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_shm_round_trip_every_dtype(segments, dtype):
-    t = sample(DTYPES[dtype])
+    t = sample(torch_dtype(dtype))
     name = make(segments, t)
     f = ShmFeature(shm_item(name, dtype, t.shape), "r", NO_FAULTS)
     assert f.error is None
@@ -128,7 +125,7 @@ def test_shm_empty_shape(segments, shape):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64", "bool"])
 def test_shm_non_contiguous_source(segments, dtype):
-    base = sample(DTYPES[dtype], (4, 6))
+    base = sample(torch_dtype(dtype), (4, 6))
     t = base.t()  # a transposed view: not contiguous
     assert not t.is_contiguous()
     name = make(segments, t)
@@ -290,7 +287,7 @@ def inline_item(t: torch.Tensor, dtype: str) -> Item:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bool", "int64"])
 def test_inline_round_trip(dtype):
-    t = sample(DTYPES[dtype], (5, 3)).t()
+    t = sample(torch_dtype(dtype), (5, 3)).t()
     f = InlineFeature(inline_item(t, dtype), "r", NO_FAULTS)
     assert f.error is None
     out = f.materialize()

@@ -1,0 +1,124 @@
+"""Frame 0 → the header map, at a cost bounded by the frame's bytes, whatever it holds.
+
+The walking helpers here read MessagePack without building it; ``lenient.py`` reuses them
+to find the segments a rejected message hands over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from ..errors import BadRequest
+from .limits import MAX_MAP_KEYS, SMALL_HEADER, Limits
+
+
+def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
+    """Frame 0 → the header map; any failure is a 400 with rid nil.
+
+    Decoding costs memory in proportion to the frame's bytes (an empty map is 1 byte on
+    the wire and ~100 in memory): ``params`` over ``max_params_bytes`` is left unread, and
+    the other fields together may build at most ``limits.max_containers`` maps and arrays;
+    a field past that is left unread too. ``decode`` refuses an unread field by name."""
+    try:
+        if frame_len(frame) <= min(SMALL_HEADER, limits.max_params_bytes):  # bounded whatever it holds
+            header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+            if not isinstance(header, dict):
+                raise BadRequest("header", "not a MessagePack map")
+            return header
+        header, budget = {}, Budget(limits.max_containers)
+        for key, value in map_entries(frame):
+            key = map_key(key)
+            if key is None:
+                raise ValueError("map key is not a string")
+            if key == "params" and value.nbytes > limits.max_params_bytes:
+                header[key] = Unread(f"{value.nbytes} bytes exceed max_params_bytes={limits.max_params_bytes}")
+                continue
+            try:
+                header[key] = msgpack.unpackb(value, raw=False, strict_map_key=True,
+                                              **({} if key == "params" else budget.hooks))
+            except Budget.Spent:
+                header[key] = Unread(f"more than {limits.max_containers} maps and arrays in the header (max_items)")
+        return header
+    except BadRequest:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise BadRequest("header", f"not a MessagePack map ({type(exc).__name__})") from exc
+
+
+
+def unpacker(buf: memoryview) -> msgpack.Unpacker:
+    up = msgpack.Unpacker(raw=False, max_buffer_size=max(1, buf.nbytes))
+    up.feed(buf)
+    return up
+
+
+def map_entries(frame: Any, trailing_ok: bool = False, lenient: bool = False) -> list[tuple[memoryview, memoryview]]:
+    """A MessagePack map's entries as (encoded key, encoded value), without building any
+    of them: ``skip`` walks MessagePack without allocating.
+
+    A map of more than MAX_MAP_KEYS entries is refused (``lenient``: only its first ones
+    are read) before any is walked: millions of tiny keys in a few MB blocked the loop
+    for half a minute."""
+    view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
+    if view.nbytes == 0 or not is_map(view[0]):
+        raise ValueError("not a map")
+    up, entries = unpacker(view), []
+    n = up.read_map_header()
+    if n > MAX_MAP_KEYS:
+        if not lenient:
+            raise BadRequest("header", f"a map of {n} keys (at most {MAX_MAP_KEYS})")
+        n, trailing_ok = MAX_MAP_KEYS, True
+    for _ in range(n):
+        k0 = up.tell()
+        up.skip()
+        k1 = up.tell()
+        up.skip()
+        entries.append((view[k0:k1], view[k1:up.tell()]))
+    if not trailing_ok and up.tell() != view.nbytes:
+        raise msgpack.ExtraData(None, None)
+    return entries
+
+
+def is_map(first: int) -> bool:
+    return first in (0xde, 0xdf) or first & 0xf0 == 0x80
+
+
+def map_key(buf: memoryview, unicode_errors: str = "strict") -> str | bytes | None:
+    """An encoded map key, if it is a str or a bin (checked before anything is built)."""
+    first = buf[0]
+    if 0xa0 <= first <= 0xbf or 0xd9 <= first <= 0xdb or 0xc4 <= first <= 0xc6:
+        return msgpack.unpackb(buf, raw=False, unicode_errors=unicode_errors)
+    return None
+
+
+class Budget:
+    """Counts the maps and arrays MessagePack builds; past ``limit`` it stops the decoding."""
+
+    class Spent(Exception):
+        pass
+
+    def __init__(self, limit: int):
+        self.left = limit
+        self.hooks = {"object_hook": self._count, "list_hook": self._count}
+
+    def _count(self, x: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise self.Spent
+        return x
+
+
+@dataclass(frozen=True)
+class Unread:
+    """A header value left undecoded because it is too big; ``decode`` refuses it by name."""
+
+    problem: str
+
+
+
+def frame_len(frame: Any) -> int:
+    return len(frame) if not hasattr(frame, "buffer") else frame.buffer.nbytes
+

@@ -1,0 +1,82 @@
+"""The 400 path's reading: which segments a message that broke the contract hands over.
+
+Ownership passes when a request is sent (contract guarantee 4), so even a request that
+gets a 400 has its segments unlinked; this reads as much of frame 0 as MessagePack
+allows, at a cost in proportion to the frame's bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from .header import Budget, is_map, map_entries, map_key, unpacker
+from .limits import valid_shm_name
+
+
+def unpack_lenient(frame: Any) -> dict | None:
+    """The ``mm_items`` of frame 0 as leniently as MessagePack allows (any map keys, bad
+    UTF-8 replaced, trailing bytes ignored, fields left unread by ``unpack_header``), or None.
+
+    Only to find the segments a rejected message names: a header that breaks the contract
+    still passed their ownership. Of each item only the fields ``owned_segments`` reads are
+    decoded, so the cost stays in proportion to the frame's bytes."""
+    try:
+        header = {}
+        for key, value in map_entries(frame, trailing_ok=True, lenient=True):
+            if map_key(key, "replace") == "mm_items":
+                header["mm_items"] = _lenient_items(value)
+        return header
+    except Exception:  # msgpack raises several unrelated types
+        return None
+
+
+_KEPT = ("transport", "pooled", "shm_name")  # what owned_segments reads of an item
+# A rejected message's first LENIENT_ITEMS items are searched for the segments it hands over
+# (a valid request has at most max_items); what it names past them is left to the sweep.
+# Walking 64 M nil items blocked the loop for 32 s and broke a tp=2 group.
+LENIENT_ITEMS = 1024
+
+
+def _lenient_items(buf: memoryview) -> list | None:
+    if buf[0] not in (0xdc, 0xdd) and buf[0] & 0xf0 != 0x90:
+        return None  # not an array
+    up, items = unpacker(buf), []
+    for _ in range(min(up.read_array_header(), LENIENT_ITEMS)):
+        start = up.tell()
+        up.skip()
+        item = buf[start:up.tell()]
+        if is_map(item[0]):
+            kept = {}
+            for key, value in map_entries(item, lenient=True):
+                key = map_key(key, "replace")
+                if key in _KEPT:
+                    try:
+                        kept[key] = msgpack.unpackb(value, raw=False, unicode_errors="replace", **Budget(0).hooks)
+                    except Exception:  # an unreadable value names no segment
+                        pass
+            items.append(kept)
+    return items
+
+
+
+def owned_segments(header: Any, prefix: str) -> list[str]:
+    """Non-pooled, allowed segment names of a message, however malformed the rest is.
+
+    Ownership passes when a request is sent (contract guarantee 4), so even a request
+    that gets a 400 has its segments unlinked; a name without the prefix or with
+    characters outside the allowed set is never touched.
+    """
+    items = header.get("mm_items") if isinstance(header, dict) else None
+    if not isinstance(items, list):
+        return []
+    names = []
+    for it in items:
+        if not isinstance(it, dict) or it.get("pooled", False) is not False:
+            continue
+        name = it.get("shm_name")
+        if it.get("transport") == "shm" and valid_shm_name(name, prefix):
+            names.append(name)
+    return list(dict.fromkeys(names))
+
