@@ -109,15 +109,31 @@ def _item(i: int, it: Any, frames: Sequence[Any], limits: Limits) -> Item:
         raise BadRequest(f"{f}.transport", f"must be one of {sorted(TRANSPORTS)}")
     item_id = _opt_str(it, "id", f)
     if transport == "session":
-        ref = _opt_str(it, "ref", f)
-        if ref is None:
-            raise BadRequest(f"{f}.ref", "required for transport 'session'")
-        modality = it.get("modality", "other")
-        if not _one_of(modality, MODALITIES):
-            raise BadRequest(f"{f}.modality", f"must be one of {sorted(MODALITIES)}")
-        # dtype/shape come from the session's stored feature.
-        return Item(index=i, modality=modality, transport=transport, dtype="uint8", shape=(0,),
-                    nbytes=0, ref=ref, id=item_id)
+        return _session_item(i, it, f, item_id)
+    item = _sized_item(i, it, f, item_id, limits)
+    if transport == "shm":
+        _shm_fields(item, it, f, limits)
+    elif transport == "inline":
+        _inline_payload(item, it, f, frames)
+    else:
+        item.ipc = _ipc(it.get("ipc"), f"{f}.ipc", limits)
+    return item
+
+
+def _session_item(i: int, it: dict, f: str, item_id: str | None) -> Item:
+    """A ``ref`` to a feature the session keeps; its dtype and shape come from the stored feature."""
+    ref = _opt_str(it, "ref", f)
+    if ref is None:
+        raise BadRequest(f"{f}.ref", "required for transport 'session'")
+    modality = it.get("modality", "other")
+    if not _one_of(modality, MODALITIES):
+        raise BadRequest(f"{f}.modality", f"must be one of {sorted(MODALITIES)}")
+    return Item(index=i, modality=modality, transport="session", dtype="uint8", shape=(0,),
+                nbytes=0, ref=ref, id=item_id)
+
+
+def _sized_item(i: int, it: dict, f: str, item_id: str | None, limits: Limits) -> Item:
+    """What every transport that brings bytes declares: modality, dtype and a bounded shape."""
     modality = it.get("modality")
     if not _one_of(modality, MODALITIES):
         raise BadRequest(f"{f}.modality", f"must be one of {sorted(MODALITIES)}")
@@ -132,33 +148,36 @@ def _item(i: int, it: Any, frames: Sequence[Any], limits: Limits) -> Item:
     nbytes = item_nbytes(shape, dtype)
     if nbytes > limits.max_item_bytes:
         raise BadRequest(f"{f}.shape", f"{nbytes} bytes exceed max_item_bytes={limits.max_item_bytes}")
-    item = Item(index=i, modality=modality, transport=transport, dtype=dtype,
+    return Item(index=i, modality=modality, transport=it["transport"], dtype=dtype,
                 shape=tuple(shape), nbytes=nbytes, id=item_id)
-    if transport == "shm":
-        name = it.get("shm_name")
-        if not valid_shm_name(name, limits.shm_prefix):
-            raise BadRequest(f"{f}.shm_name", f"must start with {limits.shm_prefix!r} and be 1-200 "
-                             "characters of [A-Za-z0-9_.-]")
-        offset = it.get("offset", 0)
-        if not _is_int(offset) or offset < 0:
-            raise BadRequest(f"{f}.offset", "must be an int >= 0")
-        pooled = it.get("pooled", False)
-        if not isinstance(pooled, bool):
-            raise BadRequest(f"{f}.pooled", "must be a bool")
-        item.shm_name, item.offset, item.pooled = name, offset, pooled
-    elif transport == "inline":
-        idx = it.get("frame")
-        if not _is_int(idx) or not 1 <= idx < len(frames):
-            raise BadRequest(f"{f}.frame", f"must index a payload frame (1..{len(frames) - 1})")
-        payload = frames[idx]
-        payload = payload.buffer if hasattr(payload, "buffer") else memoryview(payload)
-        if payload.nbytes != nbytes:
-            raise BadRequest(f"{f}.frame", f"frame {idx} holds {payload.nbytes} bytes, "
-                             f"dtype and shape say {nbytes}")
-        item.payload = payload
-    else:
-        item.ipc = _ipc(it.get("ipc"), f"{f}.ipc", limits)
-    return item
+
+
+def _shm_fields(item: Item, it: dict, f: str, limits: Limits) -> None:
+    """An shm item's segment name (prefixed, path-safe), offset and ``pooled`` flag."""
+    name = it.get("shm_name")
+    if not valid_shm_name(name, limits.shm_prefix):
+        raise BadRequest(f"{f}.shm_name", f"must start with {limits.shm_prefix!r} and be 1-200 "
+                         "characters of [A-Za-z0-9_.-]")
+    offset = it.get("offset", 0)
+    if not _is_int(offset) or offset < 0:
+        raise BadRequest(f"{f}.offset", "must be an int >= 0")
+    pooled = it.get("pooled", False)
+    if not isinstance(pooled, bool):
+        raise BadRequest(f"{f}.pooled", "must be a bool")
+    item.shm_name, item.offset, item.pooled = name, offset, pooled
+
+
+def _inline_payload(item: Item, it: dict, f: str, frames: Sequence[Any]) -> None:
+    """An inline item's payload frame, which must hold exactly the bytes its dtype and shape say."""
+    idx = it.get("frame")
+    if not _is_int(idx) or not 1 <= idx < len(frames):
+        raise BadRequest(f"{f}.frame", f"must index a payload frame (1..{len(frames) - 1})")
+    payload = frames[idx]
+    payload = payload.buffer if hasattr(payload, "buffer") else memoryview(payload)
+    if payload.nbytes != item.nbytes:
+        raise BadRequest(f"{f}.frame", f"frame {idx} holds {payload.nbytes} bytes, "
+                         f"dtype and shape say {item.nbytes}")
+    item.payload = payload
 
 
 def _ipc(ipc: Any, f: str, limits: Limits) -> dict:
