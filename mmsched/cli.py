@@ -74,24 +74,37 @@ def main(argv: list[str] | None = None) -> int:
 
         return worker_main(args)
     if args.command == "keygen":
-        from .auth import keygen
-
-        public, secret = keygen(args.out, args.name)
-        print(f"public key: {public}\nsecret key: {secret} (keep it private)")
-        return 0
+        return _keygen(args)
     try:
         cfg = _load(args)
     except ConfigError as exc:
         print(f"mmsched: config error: {exc}", file=sys.stderr)
         return 2
     if args.command == "config":
-        if args.do_print:
-            sys.stdout.write(cfg.to_toml())
-        else:
-            changed = [k for k in config_mod.FIELDS if getattr(cfg, k) != getattr(config_mod.Config(), k)]
-            print(f"config ok; differs from the defaults in: {', '.join(changed) or 'nothing'} "
-                  "(mmsched config --print shows every setting)")
-        return 0
+        return _config(args, cfg)
+    return _serve(cfg, argv)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    from .auth import keygen
+
+    public, secret = keygen(args.out, args.name)
+    print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+    return 0
+
+
+def _config(args: argparse.Namespace, cfg: config_mod.Config) -> int:
+    if args.do_print:
+        sys.stdout.write(cfg.to_toml())
+    else:
+        changed = [k for k in config_mod.FIELDS if getattr(cfg, k) != getattr(config_mod.Config(), k)]
+        print(f"config ok; differs from the defaults in: {', '.join(changed) or 'nothing'} "
+              "(mmsched config --print shows every setting)")
+    return 0
+
+
+def _serve(cfg: config_mod.Config, argv: list[str]) -> int:
+    """Check what the leader binds and the engine spec before any rank starts, then run the rank(s)."""
     from .admin import check_admin
     from .auth import check_frontend
 

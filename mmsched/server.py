@@ -40,35 +40,18 @@ from .transport import Transports
 
 def run_rank(cfg: Config, rank: int, world: int) -> int:
     """Run one rank to completion; returns its exit code (0 clean, 3 group broken)."""
-    log.setup(rank, cfg.log_format, cfg.log_level)
-    torch.set_num_threads(cfg.torch_threads)
-    if rank > 0:  # followers leave the decision to the leader
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _die_with_launcher()
+    _prepare_process(cfg, rank)
     try:
         reserve_descriptors(cfg, rank)
     except ConfigError as exc:
         event("config_error", logging.ERROR, error=str(exc))
         return 2
     try:
-        group = SoloGroup() if world == 1 else GlooGroup(rank, world, "env://", cfg.collective_timeout)
+        group, topology = _join_group(cfg, rank, world)
     except Exception as exc:
         event("group_init_failed", logging.ERROR, error=describe(exc))
         return 3
-    try:
-        topology = Topology.single() if world == 1 else Topology.discover(rank, world)
-        if world > 1:
-            group = RingGroup(group, topology.hosts, cfg.shm_prefix, cfg.collective_timeout)
-    except Exception as exc:
-        event("group_init_failed", logging.ERROR, error=describe(exc))
-        return 3
-    if topology.remote_hosts:
-        event("topology", hosts=topology.by_host(), remote_ranks=topology.remote_ranks)
-    if rank == 0 and cfg.fault:  # a drill must never pass for a real failure, nor a typo for a drill
-        idle = [str(f) for f in cfg.faults if f.rank >= world]
-        event("faults_active", logging.WARNING, faults=",".join(cfg.fault), stall_s=cfg.stall_s,
-              **({"never_fire": ",".join(idle)} if idle else {}))
+    _announce(cfg, rank, world, topology)
     try:
         engine = start_engine(cfg, group)
     except ConfigError as exc:
@@ -93,6 +76,36 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     lane.close()
     group.close()
     return code
+
+
+def _prepare_process(cfg: Config, rank: int) -> None:
+    """Logging, torch threads, signals (followers leave the decision to the leader), the launcher's death."""
+    log.setup(rank, cfg.log_format, cfg.log_level)
+    torch.set_num_threads(cfg.torch_threads)
+    if rank > 0:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_launcher()
+
+
+def _join_group(cfg: Config, rank: int, world: int):
+    """The rank group (gloo, then the same-host ring, for tp > 1) and which ranks share the leader's host."""
+    group = SoloGroup() if world == 1 else GlooGroup(rank, world, "env://", cfg.collective_timeout)
+    topology = Topology.single() if world == 1 else Topology.discover(rank, world)
+    if world > 1:
+        group = RingGroup(group, topology.hosts, cfg.shm_prefix, cfg.collective_timeout)
+    return group, topology
+
+
+def _announce(cfg: Config, rank: int, world: int, topology: Topology) -> None:
+    """Log ranks on other hosts, and on the leader any active fault (a drill must never pass for a
+    real failure, nor a typo for a drill)."""
+    if topology.remote_hosts:
+        event("topology", hosts=topology.by_host(), remote_ranks=topology.remote_ranks)
+    if rank == 0 and cfg.fault:
+        idle = [str(f) for f in cfg.faults if f.rank >= world]
+        event("faults_active", logging.WARNING, faults=",".join(cfg.fault), stall_s=cfg.stall_s,
+              **({"never_fire": ",".join(idle)} if idle else {}))
 
 
 def start_engine(cfg: Config, group):
