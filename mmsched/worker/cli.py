@@ -46,7 +46,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from ..engines.hf import SHIPPED
     from .. import log
     from ..log import event
-    from ..transport.shm_pool import ShmPool
+    from ..producers.shm_pool import ShmPool
     from .app import Worker
     from .prep import Preprocessor
 

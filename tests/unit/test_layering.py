@@ -83,8 +83,8 @@ def test_the_graph_sees_a_lazy_import():
     assert "mmsched.auth" in imports("mmsched.client", mods["mmsched.client"], set(mods))
 
 
-def test_the_client_and_the_load_generator_load_no_server_module():
-    code = "import sys, mmsched.client, mmsched.loadgen; print(' '.join(sorted(sys.modules)))"
+def test_the_client_the_load_generator_and_the_worker_load_no_server_module():
+    code = "import sys, mmsched.client, mmsched.loadgen, mmsched.worker.cli, mmsched.worker.app; print(' '.join(sorted(sys.modules)))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             timeout=120).stdout.split()
     assert "mmsched.producers" in loaded
