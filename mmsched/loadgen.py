@@ -34,7 +34,9 @@ at tp=1, ~1.6x at tp=2); ``shm`` for a one-off feature or a client that cannot k
 pool (each feature is a segment the client creates and mmsched opens, reads and
 unlinks: ~50 µs of fixed cost per feature here, besides the copy); ``inline`` for small
 features or a client on another host (the bytes ride in the message; at tp > 1 they are
-broadcast to every rank with the batch); ``cuda_ipc`` for features already on a GPU.
+broadcast to every rank with the batch); ``cuda_ipc`` for features already on a GPU;
+``memfd`` (an extension) is ``pooled`` over a sealed memfd the ranks copy out of a kept
+mapping: for big features (16 MiB: see bench/materialize.py), ranks on the client's host.
 
 When the server goes away (a 503 ``service unavailable: …``: draining, stopped, group
 broken; or no pong for ``GONE_S``), the generator stops sending at once: requests sent
@@ -66,10 +68,10 @@ import torch
 
 from .client import Client, Feature, cuda_ipc, inline, pooled, raw, ref, shm
 from .devices import CudaDevice, ShmDevice
-from .producers import IpcPool, ShmPool, create_segment
+from .producers import IpcPool, MemfdPool, ShmPool, create_segment
 from .segments import SHM_DIR
 
-TRANSPORTS = ("pooled", "shm", "inline", "cuda_ipc")
+TRANSPORTS = ("pooled", "shm", "inline", "cuda_ipc", "memfd")
 CLIENT_FAULTS = ("missing", "too_small", "bad_name")
 # what each kind of request should get; an abort races the result
 EXPECTED = {"": (200,), "fail": (500,), "missing": (500,), "too_small": (500,), "bad_name": (400,),
@@ -122,6 +124,8 @@ class LoadSpec:
         bad = [t for t in self.transports if t not in TRANSPORTS]
         if bad or not self.transports:
             raise ValueError(f"transports must be among {', '.join(TRANSPORTS)} (got {bad or 'none'})")
+        if {"pooled", "memfd"} <= set(self.transports):  # both are the client's one shm_pool
+            raise ValueError("transports pooled and memfd cannot be mixed in one run")
         if self.session_turns < 1:
             raise ValueError("session_turns must be >= 1")
         rates = (self.fail_rate, self.client_faults, self.abort_rate)
@@ -433,7 +437,7 @@ class _Run:
         """The request's features, and the payload size behind each (a ref stands for its stored one)."""
         if sess is not None and sess.turn > 0 and sess.stored:
             return [ref(fid) for fid in sess.ids], sess.sizes
-        make = {"pooled": pooled, "shm": shm, "inline": inline, "cuda_ipc": cuda_ipc}[transport]
+        make = {"pooled": pooled, "memfd": pooled, "shm": shm, "inline": inline, "cuda_ipc": cuda_ipc}[transport]
         feats = []
         for k, n in enumerate(sizes):
             fid = f"f{k}" if sess is not None else None
@@ -635,9 +639,10 @@ async def run(spec: LoadSpec, client: Client | None = None) -> Report:
             r.stopped_by = f"no pong from {spec.frontend} within {wait_s:g} s: is the server up? (make serve)"
             return _report(spec, r, elapsed, before, notes)
         biggest = max(spec.item_bytes) if spec.items else 0
-        if "pooled" in spec.transports and spec.items:
+        if {"pooled", "memfd"} & set(spec.transports) and spec.items:
             size = spec.pool_bytes or min(1 << 30, max(16 << 20, 2 * spec.in_flight * spec.items * _aligned(biggest)))
-            shm_pool = client.shm_pool = ShmPool(size, spec.shm_prefix)
+            kind = MemfdPool if "memfd" in spec.transports else ShmPool
+            shm_pool = client.shm_pool = kind(size, spec.shm_prefix)
         if "cuda_ipc" in spec.transports and spec.items:
             device = CudaDevice() if torch.cuda.is_available() else ShmDevice()
             slots = min(4096, 2 * spec.in_flight * spec.items)

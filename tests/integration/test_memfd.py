@@ -5,6 +5,7 @@ serving; a producer killed while a rank still reads its pool costs no SIGBUS and
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
 import subprocess
@@ -130,3 +131,14 @@ async def test_a_producer_killed_mid_batch_is_no_sigbus_and_no_leak(group, pool)
         assert r.meta["digests"] == [sha256_of(x)]
     assert all(pid_alive(p) for p in ranks), "a rank died"
     wait_until(lambda: not any(_maps_dead_pool(p) for p in ranks), 15, "the ranks unmap the dead pool")
+
+
+def test_the_load_generator_sends_memfd_items_the_ranks_read_exactly(group, tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "mmsched", "loadtest", "--frontend", group.addr, "--requests", "60",
+                           "--concurrency", "8", "--item-bytes", "3K,1M", "--items", "2", "--transport", "memfd",
+                           "--verify", "--quiet", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s = json.loads(out.read_text())["summary"]
+    assert (s["verified"], s["mismatched"]) == (60, 0), s
+    assert "fell back" not in proc.stdout  # every feature went through the memfd pool
