@@ -14,6 +14,7 @@ import torch
 from ..faults import NO_FAULTS, Faults
 from ..protocol import Item
 from .base import OpenedFeature, typed
+from .buffers import Buffers
 from .cuda_ipc import Attachments, CudaIpcFeature, acknowledge
 from .forwarded import ForwardedFeature
 from .inline import InlineFeature
@@ -35,6 +36,7 @@ class Transports:
         self.rank, self.world, self.faults = rank, world, faults
         self.pools = PoolCache(pool_limit)
         self.memfds = MemfdCache(pool_limit)
+        self.buffers = Buffers()  # big features' destinations, reused once nobody holds them
         self.attached = Attachments(attach_limit)
 
     def open(self, item: Item, rid: str, lookup: Callable[[str], torch.Tensor] | None = None) -> OpenedFeature:
@@ -44,14 +46,14 @@ class Transports:
         admits only these five transports (memfd is an extension)."""
         if item.transport == "shm":
             if item.pooled:
-                return PooledFeature(item, rid, self.faults, self.pools)
-            return ShmFeature(item, rid, self.faults)
+                return PooledFeature(item, rid, self.faults, self.pools, self.buffers)
+            return ShmFeature(item, rid, self.faults, self.buffers)
         if item.transport == "inline":
             return InlineFeature(item, rid, self.faults)
         if item.transport == "session":
             return SessionFeature(item, rid, self.faults, lookup)
         if item.transport == "memfd":
-            return MemfdFeature(item, rid, self.faults, self.memfds)
+            return MemfdFeature(item, rid, self.faults, self.memfds, self.buffers)
         return CudaIpcFeature(item, rid, self.faults, self.rank, self.world, self.attached)
 
     def forwarded(self, item: Item, rid: str) -> ForwardedFeature:
@@ -69,7 +71,7 @@ class Transports:
 
     def clear(self) -> None:
         """Close every idle handle (the rest on their last release): for whoever is done with them (tests)."""
-        for cache in (self.pools, self.memfds, self.attached.pools, self.attached.boards):
+        for cache in (self.pools, self.memfds, self.attached.pools, self.attached.boards, self.buffers):
             cache.clear()
 
     def __repr__(self) -> str:

@@ -27,6 +27,7 @@ from ..faults import Faults
 from ..protocol import Item
 from ..segments import SegmentTooSmall
 from .base import OpenedFeature, typed
+from .buffers import NO_REUSE, Buffers
 from .leases import LeasedCache
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # what makes a kept mapping safe: a fixed size
@@ -98,10 +99,10 @@ class MemfdCache(LeasedCache[tuple, _Mapped]):
 class MemfdFeature(OpenedFeature):
     """A slice of a client's sealed memfd pool, copied out of a leased mapping; nothing to unlink."""
 
-    __slots__ = ("_lease", "_cache")
+    __slots__ = ("_lease", "_cache", "_buffers")
 
-    def __init__(self, item: Item, rid: str, faults: Faults, cache: MemfdCache):
-        self._lease, self._cache = None, cache
+    def __init__(self, item: Item, rid: str, faults: Faults, cache: MemfdCache, buffers: Buffers = NO_REUSE):
+        self._lease, self._cache, self._buffers = None, cache, buffers
         super().__init__(item, rid, faults)
 
     def _open(self) -> None:
@@ -117,7 +118,7 @@ class MemfdFeature(OpenedFeature):
                                   f"{item.offset} + nbytes {item.nbytes} = {item.offset + item.nbytes}")
 
     def _read(self) -> torch.Tensor:
-        raw = torch.empty(self.item.nbytes, dtype=torch.uint8)
+        raw = self._buffers.take(self.item.nbytes)
         if self.item.nbytes:
             src = np.frombuffer(self._lease.handle.map, np.uint8, self.item.nbytes, self.item.offset)
             np.copyto(raw.numpy(), src)

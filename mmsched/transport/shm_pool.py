@@ -23,6 +23,7 @@ from ..faults import Faults
 from ..protocol import Item
 from ..segments import SegmentTooSmall, read_into, shm_path
 from .base import OpenedFeature, typed
+from .buffers import NO_REUSE, Buffers
 from .leases import LeasedCache
 
 
@@ -76,10 +77,10 @@ class PooledFeature(OpenedFeature):
     time, and touching a mapping past the end of its file is a SIGBUS that would take the
     rank down; a short read is an error for this request only."""
 
-    __slots__ = ("_lease", "_cache")
+    __slots__ = ("_lease", "_cache", "_buffers")
 
-    def __init__(self, item: Item, rid: str, faults: Faults, cache: PoolCache):
-        self._lease, self._cache = None, cache
+    def __init__(self, item: Item, rid: str, faults: Faults, cache: PoolCache, buffers: Buffers = NO_REUSE):
+        self._lease, self._cache, self._buffers = None, cache, buffers
         super().__init__(item, rid, faults)
 
     def _open(self) -> None:
@@ -91,7 +92,7 @@ class PooledFeature(OpenedFeature):
                                   f"{item.offset} + nbytes {item.nbytes} = {item.offset + item.nbytes}")
 
     def _read(self) -> torch.Tensor:
-        raw = torch.empty(self.item.nbytes, dtype=torch.uint8)
+        raw = self._buffers.take(self.item.nbytes)
         read_into(self._lease.handle.fd, raw.numpy(), self.item.offset, self.item.shm_name)
         return typed(raw, self.item)
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from mmsched.client import Client, pooled, raw, shm
+from mmsched.client import Client, pooled, raw, ref, shm
 from mmsched.producers import MemfdPool
 
 from ..conftest import Server, pid_alive
@@ -49,6 +49,24 @@ async def test_memfd_round_trip_matches_the_client_bytes(group, pool):
         assert torch.equal(via_memfd.embedding, via_shm.embedding)
         await no_extra_results(c)
 
+
+
+async def test_a_big_feature_a_session_keeps_is_not_overwritten_by_later_batches(group):
+    """Big features land in reused buffers on the ranks; one a session stores must keep its bytes."""
+    big = MemfdPool(16 << 20)
+    try:
+        async with Client(group.addr, shm_pool=big) as c:
+            kept = feature(1, (1 << 19,))  # 2 MiB float32
+            expect(await c.embed([1], [pooled(kept, id="img")], session_id="s-memfd"), 200)
+            for k in range(3):  # later batches of big features, each its own buffer
+                x = feature(20 + k, (1 << 19,))
+                r = expect(await c.embed([2], [pooled(x), pooled(x * 2)], want_digest=True), 200)
+                assert r.meta["digests"] == [sha256_of(x), sha256_of(x * 2)]
+            r = expect(await c.embed([3], [ref("img")], session_id="s-memfd", want_digest=True), 200)
+            assert r.meta["digests"] == [sha256_of(kept)]
+            await c.close_session("s-memfd")
+    finally:
+        big.close()
 
 def _memfd(seals: int, allocate: bool, size: int = 1 << 20) -> int:
     fd = os.memfd_create("mmsched_test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
