@@ -89,16 +89,7 @@ def measure(nbytes: int, budget: float = 0.4) -> dict:
     cache = PoolCache()
     try:
         off = pool.put(src)
-        it = _item(pool.name, nbytes, off, pooled=True)
-
-        def pooled(_):
-            f = PooledFeature(it, "bench", NO_FAULTS, cache)
-            t = f.materialize()
-            f.release(unlink=True)
-            return t
-
-        assert torch.equal(pooled(None), src)  # warm: map it once, and check the bytes
-        row["pooled_s"] = _time(pooled, budget)
+        row["pooled_s"] = _time_warm(PooledFeature, _item(pool.name, nbytes, off, pooled=True), cache, src, budget)
         # reference only (mmsched does not do this): a copy out of a mapping kept open
         fd = os.open(shm_path(pool.name), os.O_RDONLY)
         mm = mmap.mmap(fd, pool.size, prot=mmap.PROT_READ)
@@ -134,18 +125,22 @@ def _memfd(src: torch.Tensor, budget: float) -> float:
         item = Item(index=0, modality="image", transport="memfd", dtype="uint8", shape=(src.numel(),),
                     nbytes=src.numel(), offset=pool.put(src),
                     memfd={"pid": os.getpid(), "fd": pool.fd, "inode": pool.inode})
-
-        def read(_):
-            f = MemfdFeature(item, "bench", NO_FAULTS, cache)
-            t = f.materialize()
-            f.release(unlink=True)
-            return t
-
-        assert torch.equal(read(None), src)  # warm: map it once, and check the bytes
-        return _time(read, budget)
+        return _time_warm(MemfdFeature, item, cache, src, budget)
     finally:
         cache.clear()
         pool.close()
+
+
+def _time_warm(kind, item: Item, cache, src: torch.Tensor, budget: float) -> float:
+    """Median seconds of a ``kind`` feature (pooled shm, memfd) read through a warm ``cache``."""
+    def read(_):
+        f = kind(item, "bench", NO_FAULTS, cache)
+        t = f.materialize()
+        f.release(unlink=True)
+        return t
+
+    assert torch.equal(read(None), src)  # warm: map it once, and check the bytes
+    return _time(read, budget)
 
 
 def run(sizes: list[int], budget: float = 0.4) -> list[dict]:

@@ -23,11 +23,8 @@ import numpy as np
 import torch
 
 from ..errors import FeatureError
-from ..faults import Faults
-from ..protocol import Item
 from ..segments import SegmentTooSmall
-from .base import OpenedFeature, typed
-from .buffers import NO_REUSE, Buffers
+from .base import LeasedFeature, typed
 from .leases import LeasedCache
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # what makes a kept mapping safe: a fixed size
@@ -96,14 +93,10 @@ class MemfdCache(LeasedCache[tuple, _Mapped]):
         super().__init__("memfd_pools", _Mapped, _Mapped.close, lambda key, pool: pool.is_current(), limit)
 
 
-class MemfdFeature(OpenedFeature):
+class MemfdFeature(LeasedFeature):
     """A slice of a client's sealed memfd pool, copied out of a leased mapping; nothing to unlink."""
 
-    __slots__ = ("_lease", "_cache", "_buffers")
-
-    def __init__(self, item: Item, rid: str, faults: Faults, cache: MemfdCache, buffers: Buffers = NO_REUSE):
-        self._lease, self._cache, self._buffers = None, cache, buffers
-        super().__init__(item, rid, faults)
+    __slots__ = ()
 
     def _open(self) -> None:
         item, m = self.item, self.item.memfd
@@ -124,9 +117,3 @@ class MemfdFeature(OpenedFeature):
             np.copyto(raw.numpy(), src)
             del src  # the mapping can be closed only once no array exports it
         return typed(raw, self.item)
-
-    def release(self, unlink: bool) -> bool:
-        if self._lease is not None:  # the cache keeps the pool mapped for the next request
-            self._cache.release(self._lease)
-            self._lease = None
-        return True
