@@ -170,3 +170,20 @@ def test_the_item_travels_to_followers_and_other_items_are_unchanged():
     plain = _as_item({"transport": "shm", "modality": "image", "dtype": "uint8", "shape": [4], "shm_name": "mmsched_x"})
     assert "memfd" not in plain.wire()
     np.testing.assert_equal(Item.from_wire(0, plain.wire()).memfd, None)
+
+
+def test_a_hugetlb_pool_is_refused():
+    try:
+        fd = os.memfd_create("mmsched_test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+        os.ftruncate(fd, 2 << 20)  # no huge page is needed until it is touched
+    except OSError as exc:
+        pytest.skip(f"no hugetlb memfd here: {exc}")
+    cache = MemfdCache()
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        f = MemfdFeature(_item_for(fd, 16), "r", NO_FAULTS, cache)
+        with pytest.raises(FeatureError, match="backed by huge pages"):
+            f.materialize()
+    finally:
+        cache.clear()
+        os.close(fd)
