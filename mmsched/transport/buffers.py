@@ -36,16 +36,12 @@ class Buffers:
         """An uint8 tensor of ``nbytes`` (its contents arbitrary): a kept buffer nobody uses, if any fits."""
         if nbytes < self.MIN or self.limit == 0 or _use_count is None:
             return torch.empty(nbytes, dtype=torch.uint8)
+        size = -(-nbytes // self.GRAIN) * self.GRAIN  # one size class: a kept feature wastes < GRAIN
         with self._lock:
-            best = None
             for buf, rest in self._free:
-                if nbytes <= buf.numel() <= 2 * nbytes and _count(buf) == rest:
-                    if best is None or buf.numel() < best.numel():
-                        best = buf
-            if best is not None:
-                self.reused += 1
-                return best[:nbytes]
-            size = -(-nbytes // self.GRAIN) * self.GRAIN
+                if buf.numel() == size and _count(buf) == rest:
+                    self.reused += 1
+                    return buf[:nbytes]
             buf = torch.empty(size, dtype=torch.uint8)
             if self.kept + size > self.limit:
                 self._drop_idle(self.kept + size - self.limit)

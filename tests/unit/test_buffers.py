@@ -36,7 +36,7 @@ def test_small_features_are_not_pooled_and_the_limit_bounds_what_is_kept():
     held = [b.take(3 * MiB), b.take(3 * MiB)]  # the second does not fit the limit: not kept
     assert b.kept == 3 * MiB
     del held
-    x = b.take(MiB)  # the idle 3 MiB buffer is over twice too big: a new one
+    x = b.take(MiB)  # not the idle 3 MiB buffer (another size class): a new one
     assert b.kept == 4 * MiB and b.reused == 0
     y = b.take(MiB + 1)  # 2 MiB more: the idle 3 MiB buffer is dropped to make room, x (held) is not
     assert b.kept == 3 * MiB and x.numel() == MiB and y.numel() == MiB + 1
