@@ -9,6 +9,9 @@ For each size, GB/s of (median time per operation):
   open + materialize + release with unlink, as the leader does for a non-pooled item;
 - ``pooled``: a slice of a client's ``ShmPool`` through ``PooledFeature`` with a warm
   ``PoolCache`` (the pool mapped once, as on a rank that has served it before);
+- ``memfd``: a slice of a client's sealed ``MemfdPool`` through ``MemfdFeature`` with a
+  warm ``MemfdCache`` (the pool mapped once; a numpy copy out of the mapping, safe
+  because the seals forbid shrinking: the ``memfd`` transport, an extension);
 - ``mapped``: for reference only, a numpy copy out of a mapping of the pool kept open:
   what a pooled read would cost if mmsched copied out of a kept mapping instead of
   ``pread`` (it does not: a pool its owner truncates would SIGBUS the rank).
@@ -33,8 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mmsched.faults import Faults  # noqa: E402
 from mmsched.protocol import Item  # noqa: E402
-from mmsched.producers import ShmPool, create_segment  # noqa: E402
+from mmsched.producers import MemfdPool, ShmPool, create_segment  # noqa: E402
 from mmsched.segments import shm_path  # noqa: E402
+from mmsched.transport.memfd import MemfdCache, MemfdFeature  # noqa: E402
 from mmsched.transport.shm import ShmFeature  # noqa: E402
 from mmsched.transport.shm_pool import PoolCache, PooledFeature  # noqa: E402
 
@@ -85,16 +89,7 @@ def measure(nbytes: int, budget: float = 0.4) -> dict:
     cache = PoolCache()
     try:
         off = pool.put(src)
-        it = _item(pool.name, nbytes, off, pooled=True)
-
-        def pooled(_):
-            f = PooledFeature(it, "bench", NO_FAULTS, cache)
-            t = f.materialize()
-            f.release(unlink=True)
-            return t
-
-        assert torch.equal(pooled(None), src)  # warm: map it once, and check the bytes
-        row["pooled_s"] = _time(pooled, budget)
+        row["pooled_s"] = _time_warm(PooledFeature, _item(pool.name, nbytes, off, pooled=True), cache, src, budget)
         # reference only (mmsched does not do this): a copy out of a mapping kept open
         fd = os.open(shm_path(pool.name), os.O_RDONLY)
         mm = mmap.mmap(fd, pool.size, prot=mmap.PROT_READ)
@@ -115,12 +110,37 @@ def measure(nbytes: int, budget: float = 0.4) -> dict:
     finally:
         cache.clear()
         pool.close()
-    for k in ("copy", "fresh", "pooled", "mapped"):
+    row["memfd_s"] = _memfd(src, budget)
+    for k in ("copy", "fresh", "pooled", "memfd", "mapped"):
         row[f"{k}_gbps"] = nbytes / row[f"{k}_s"] / 1e9
-    row["fresh_ratio"] = row["copy_s"] / row["fresh_s"]
-    row["pooled_ratio"] = row["copy_s"] / row["pooled_s"]
-    row["mapped_ratio"] = row["copy_s"] / row["mapped_s"]
+        if k != "copy":
+            row[f"{k}_ratio"] = row["copy_s"] / row[f"{k}_s"]
     return row
+
+
+def _memfd(src: torch.Tensor, budget: float) -> float:
+    """Median seconds of a slice of a sealed memfd pool read through a warm ``MemfdCache``."""
+    pool, cache = MemfdPool(src.numel() + 64, PREFIX), MemfdCache()
+    try:
+        item = Item(index=0, modality="image", transport="memfd", dtype="uint8", shape=(src.numel(),),
+                    nbytes=src.numel(), offset=pool.put(src),
+                    memfd={"pid": os.getpid(), "fd": pool.fd, "inode": pool.inode})
+        return _time_warm(MemfdFeature, item, cache, src, budget)
+    finally:
+        cache.clear()
+        pool.close()
+
+
+def _time_warm(kind, item: Item, cache, src: torch.Tensor, budget: float) -> float:
+    """Median seconds of a ``kind`` feature (pooled shm, memfd) read through a warm ``cache``."""
+    def read(_):
+        f = kind(item, "bench", NO_FAULTS, cache)
+        t = f.materialize()
+        f.release(unlink=True)
+        return t
+
+    assert torch.equal(read(None), src)  # warm: map it once, and check the bytes
+    return _time(read, budget)
 
 
 def run(sizes: list[int], budget: float = 0.4) -> list[dict]:
@@ -129,11 +149,11 @@ def run(sizes: list[int], budget: float = 0.4) -> list[dict]:
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = f"{'size':>8} {'copy GB/s':>10} {'fresh GB/s':>11} {'ratio':>6} {'pooled GB/s':>12} {'ratio':>6} {'mapped GB/s':>12} {'ratio':>6}"
-    lines = [head]
+    kinds = ("fresh", "pooled", "memfd", "mapped")
+    lines = [f"{'size':>8} {'copy GB/s':>10}" + "".join(f" {k + ' GB/s':>12} {'ratio':>6}" for k in kinds)]
     for r in rows:
-        lines.append(f"{_size(r['bytes']):>8} {r['copy_gbps']:>10.2f} {r['fresh_gbps']:>11.2f} {r['fresh_ratio']:>6.2f} "
-                     f"{r['pooled_gbps']:>12.2f} {r['pooled_ratio']:>6.2f} {r['mapped_gbps']:>12.2f} {r['mapped_ratio']:>6.2f}")
+        lines.append(f"{_size(r['bytes']):>8} {r['copy_gbps']:>10.2f}"
+                     + "".join(f" {r[k + '_gbps']:>12.2f} {r[k + '_ratio']:>6.2f}" for k in kinds))
     return "\n".join(lines)
 
 

@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/run.py [--quick] [--json bench/results.json] [--budget-s 360]
 
-1. materialization (bench/materialize.py): GB/s of a fresh shm segment and of a pooled
-   slice against ``clone()`` of an in-process tensor, 64 KiB to 64 MiB;
+1. materialization (bench/materialize.py): GB/s of a fresh shm segment, of a pooled shm and a memfd pool
+   slice, against ``clone()`` of an in-process tensor, 64 KiB to 64 MiB;
 2. throughput: the load generator (closed loop, fixed concurrency, bounded by count and
    time) against mmsched at tp=1 and tp=2 and against a bare ROUTER that only decodes
    and answers (bench/bare_router.py), for text-only requests and one 64 KiB shm, 1 MiB
@@ -61,7 +61,8 @@ WORKLOADS = [
     ("1 x 1 MiB pooled", 1, MiB, "pooled", 32),
 ]
 TARGETS = {("throughput", 1, "text-only"): 0.50, ("throughput", 2, "text-only"): 0.35,
-           ("materialize", "fresh", 16 * MiB): 0.30, ("materialize", "pooled", 16 * MiB): 0.70}
+           ("materialize", "fresh", 16 * MiB): 0.30, ("materialize", "pooled", 16 * MiB): 0.70,
+           ("materialize", "memfd", 16 * MiB): 0.70}
 SYNC_RATE = 1000.0                      # the open loop's fixed rate, req/s
 SYNC_TARGETS = {1: 0.50, 2: 0.35}       # closed-loop throughput vs the bare ROUTER
 SYNC_P50_SLACK_MS = {1: 0.5, 2: 1.0}    # open-loop p50 <= the bare ROUTER's + this
@@ -284,7 +285,8 @@ def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: d
                 f"{bare['rate']:.0f} req/s", ours["rate"] / bare["rate"] if bare["rate"] else 0.0,
                 TARGETS.get(("throughput", tp, r["workload"])), "bare ROUTER")
     for r in mat:
-        for kind, label in (("fresh", "fresh shm"), ("pooled", "pooled shm"), ("mapped", "pool mapping, numpy copy")):
+        for kind, label in (("fresh", "fresh shm"), ("pooled", "pooled shm"), ("memfd", "memfd pool (sealed, mapped)"),
+                            ("mapped", "pool mapping, numpy copy")):
             add("materialize", f"{_size(r['bytes'])} {label}", f"{r[kind + '_gbps']:.2f} GB/s",
                 f"{r['copy_gbps']:.2f} GB/s", r[f"{kind}_ratio"], TARGETS.get(("materialize", kind, r["bytes"])),
                 "in-process clone")

@@ -183,7 +183,7 @@ def _add_loadtest_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--item-bytes", type=sizes, default=[64 << 10], metavar="SIZES",
                    help="feature size(s), comma-separated, e.g. 64K,1M (64K)")
     p.add_argument("--transport", type=names, default=["pooled"], metavar="T[,T..]",
-                   help="feature transport(s), mixed at random: pooled,shm,inline,cuda_ipc (pooled)")
+                   help="feature transport(s), mixed at random: pooled,shm,inline,cuda_ipc,memfd (pooled; memfd cannot mix with pooled)")
     p.add_argument("--session-turns", type=int, default=1, metavar="T",
                    help="turns per session: the first brings features with ids, later ones refer to them")
     p.add_argument("--fail-rate", type=float, default=0.0, metavar="F",

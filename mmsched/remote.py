@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-HOST_BOUND = ("shm", "cuda_ipc")  # transports that only reach ranks on the client's host
+HOST_BOUND = ("shm", "cuda_ipc", "memfd")  # transports that only reach ranks on the client's host
 ALIGN = 8  # forwarded items start at multiples of this in the shipped buffer (the widest dtype)
 
 

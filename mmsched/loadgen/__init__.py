@@ -34,7 +34,9 @@ at tp=1, ~1.6x at tp=2); ``shm`` for a one-off feature or a client that cannot k
 pool (each feature is a segment the client creates and mmsched opens, reads and
 unlinks: ~50 µs of fixed cost per feature here, besides the copy); ``inline`` for small
 features or a client on another host (the bytes ride in the message; at tp > 1 they are
-broadcast to every rank with the batch); ``cuda_ipc`` for features already on a GPU.
+broadcast to every rank with the batch); ``cuda_ipc`` for features already on a GPU;
+``memfd`` (an extension) is ``pooled`` over a sealed memfd the ranks copy out of a kept
+mapping: for big features (16 MiB: see bench/materialize.py), ranks on the client's host.
 
 When the server goes away (a 503 ``service unavailable: …``: draining, stopped, group
 broken; or no pong for ``GONE_S``), the generator stops sending at once: requests sent

@@ -61,7 +61,7 @@ class Mix:
         """The request's features, and the payload size behind each (a ref stands for its stored one)."""
         if sess is not None and sess.turn > 0 and sess.stored:
             return [ref(fid) for fid in sess.ids], sess.sizes
-        make = {"pooled": pooled, "shm": shm, "inline": inline, "cuda_ipc": cuda_ipc}[transport]
+        make = {"pooled": pooled, "memfd": pooled, "shm": shm, "inline": inline, "cuda_ipc": cuda_ipc}[transport]
         feats = []
         for k, n in enumerate(sizes):
             fid = f"f{k}" if sess is not None else None

@@ -16,7 +16,7 @@ import torch
 
 from ..client import Client
 from ..devices import CudaDevice, ShmDevice
-from ..producers import IpcPool, ShmPool
+from ..producers import IpcPool, MemfdPool, ShmPool
 from ..segments import SHM_DIR
 from .loop import Run
 from .records import summarize
@@ -71,9 +71,9 @@ async def _first_pong(spec: LoadSpec, client: Client, r: Run) -> int | None:
 def _open_pools(spec: LoadSpec, client: Client, ranks: int, pools: list) -> None:
     """The client's pools for the pooled and cuda_ipc transports, sized for what will be in flight."""
     biggest = max(spec.item_bytes) if spec.items else 0
-    if "pooled" in spec.transports and spec.items:
+    if {"pooled", "memfd"} & set(spec.transports) and spec.items:
         size = spec.pool_bytes or min(1 << 30, max(16 << 20, 2 * spec.in_flight * spec.items * _aligned(biggest)))
-        client.shm_pool = ShmPool(size, spec.shm_prefix)
+        client.shm_pool = (MemfdPool if "memfd" in spec.transports else ShmPool)(size, spec.shm_prefix)
         pools.append(client.shm_pool)
     if "cuda_ipc" in spec.transports and spec.items:
         device = CudaDevice() if torch.cuda.is_available() else ShmDevice()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-TRANSPORTS = ("pooled", "shm", "inline", "cuda_ipc")
+TRANSPORTS = ("pooled", "shm", "inline", "cuda_ipc", "memfd")
 CLIENT_FAULTS = ("missing", "too_small", "bad_name")
 # what each kind of request should get; an abort races the result
 EXPECTED = {"": (200,), "fail": (500,), "missing": (500,), "too_small": (500,), "bad_name": (400,),
@@ -57,6 +57,8 @@ class LoadSpec:
             raise ValueError(f"transports must be among {', '.join(TRANSPORTS)} (got {bad or 'none'})")
         if self.session_turns < 1:
             raise ValueError("session_turns must be >= 1")
+        if {"pooled", "memfd"} <= set(self.transports):  # both are the client's one shm_pool
+            raise ValueError("transports pooled and memfd cannot be mixed in one run")
         rates = (self.fail_rate, self.client_faults, self.abort_rate)
         if any(not 0 <= r <= 1 for r in rates) or sum(rates) > 1:
             raise ValueError("fail_rate, client_faults and abort_rate are fractions that add up to at most 1")

@@ -7,6 +7,7 @@ and ``mmsched.devices`` (the ``cuda_ipc`` pool's memory).
 
 from .ipc_pool import AckBoard, IpcPool, Lease
 from .segment import Segment, create_segment
+from .memfd_pool import MemfdPool
 from .shm_pool import ShmPool
 
-__all__ = ["AckBoard", "IpcPool", "Lease", "Segment", "ShmPool", "create_segment"]
+__all__ = ["AckBoard", "IpcPool", "Lease", "MemfdPool", "Segment", "ShmPool", "create_segment"]

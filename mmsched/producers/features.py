@@ -65,7 +65,7 @@ def raw(item: dict, payload: bytes | None = None) -> Feature:
 class Held:
     """What one request's features hold on the client side until its result arrives."""
 
-    shm_pool: object = None  # the client's ShmPool, if any
+    shm_pool: object = None  # the client's ShmPool or MemfdPool, if any
     ipc_pool: object = None  # the client's IpcPool, if any
     shm_prefix: str = "mmsched_"
     segments: list[Segment] = field(default_factory=list)  # locked until the result: no sweep window
@@ -90,7 +90,7 @@ class Held:
             off = self.shm_pool.put(t) if self.shm_pool is not None else None
             if off is not None:
                 self.slices.append((off, t.numel() * t.element_size()))
-                return dict(item, transport="shm", shm_name=self.shm_pool.name, offset=off, pooled=True)
+                return dict(item, **self.shm_pool.where(off))
             log.warning("shm_pool_full falling_back=shm nbytes=%d", t.numel() * t.element_size())
         if f.transport == "cuda_ipc":
             lease = self.ipc_pool.lease(t) if self.ipc_pool is not None else None

@@ -19,7 +19,11 @@ class ShmPool:
 
     def __init__(self, size: int, prefix: str = "mmsched_"):
         self.segment = create_segment(b"", prefix, size=size)  # locked for the pool's life
-        self.name, self.size = self.segment.name, size
+        self._start(self.segment.name, self.segment.fd, size)
+
+    def _start(self, name: str, fd: int, size: int) -> None:
+        """The slice allocator over ``fd`` (shared with ``MemfdPool``)."""
+        self.name, self.fd, self.size = name, fd, size
         self._holes: list[tuple[int, int]] = [(0, size)]  # (offset, length), sorted, coalesced
         self.num_leased = 0
 
@@ -33,9 +37,13 @@ class ShmPool:
                 break
         else:
             return None
-        write_at(self.segment.fd, buf, off)
+        write_at(self.fd, buf, off)
         self.num_leased += 1
         return off
+
+    def where(self, offset: int) -> dict:
+        """The item fields that name the slice at ``offset`` (see docs/protocol.md)."""
+        return {"transport": "shm", "shm_name": self.name, "offset": offset, "pooled": True}
 
     def free(self, offset: int, nbytes: int) -> None:
         length = max(self.ALIGN, -(-nbytes // self.ALIGN) * self.ALIGN)

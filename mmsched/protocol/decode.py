@@ -115,6 +115,8 @@ def _item(i: int, it: Any, frames: Sequence[Any], limits: Limits) -> Item:
         _shm_fields(item, it, f, limits)
     elif transport == "inline":
         _inline_payload(item, it, f, frames)
+    elif transport == "memfd":
+        item.memfd, item.offset = _memfd(it.get("memfd"), f"{f}.memfd"), _offset(it, f)
     else:
         item.ipc = _ipc(it.get("ipc"), f"{f}.ipc", limits)
     return item
@@ -158,9 +160,7 @@ def _shm_fields(item: Item, it: dict, f: str, limits: Limits) -> None:
     if not valid_shm_name(name, limits.shm_prefix):
         raise BadRequest(f"{f}.shm_name", f"must start with {limits.shm_prefix!r} and be 1-200 "
                          "characters of [A-Za-z0-9_.-]")
-    offset = it.get("offset", 0)
-    if not _is_int(offset) or offset < 0:
-        raise BadRequest(f"{f}.offset", "must be an int >= 0")
+    offset = _offset(it, f)
     pooled = it.get("pooled", False)
     if not isinstance(pooled, bool):
         raise BadRequest(f"{f}.pooled", "must be a bool")
@@ -178,6 +178,23 @@ def _inline_payload(item: Item, it: dict, f: str, frames: Sequence[Any]) -> None
         raise BadRequest(f"{f}.frame", f"frame {idx} holds {payload.nbytes} bytes, "
                          f"dtype and shape say {item.nbytes}")
     item.payload = payload
+
+
+def _offset(it: dict, f: str) -> int:
+    offset = it.get("offset", 0)
+    if not _is_int(offset) or offset < 0:
+        raise BadRequest(f"{f}.offset", "must be an int >= 0")
+    return offset
+
+
+def _memfd(m: Any, f: str) -> dict:
+    """The ``memfd`` map of a memfd pool item (an extension): whose descriptor, and its inode."""
+    if not isinstance(m, dict):
+        raise BadRequest(f, "required for transport 'memfd': a map of pid, fd, inode (see docs/protocol.md)")
+    for key, lo in (("pid", 1), ("fd", 0), ("inode", 0)):
+        if not _is_int(m.get(key)) or not lo <= m[key] < 1 << 63:
+            raise BadRequest(f"{f}.{key}", f"must be an int >= {lo}")
+    return {k: m[k] for k in ("pid", "fd", "inode")}
 
 
 def _ipc(ipc: Any, f: str, limits: Limits) -> dict:

@@ -9,7 +9,7 @@ from typing import Any
 VERSION = 1
 SHM_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
 MODALITIES = frozenset({"image", "audio", "video", "other"})
-TRANSPORTS = frozenset({"shm", "inline", "cuda_ipc", "session"})
+TRANSPORTS = frozenset({"shm", "inline", "cuda_ipc", "session", "memfd"})  # memfd: an extension
 REQUEST_TYPES = frozenset({"generate", "embed"})
 SMALL_HEADER = 16 << 10  # a header this small is decoded in one call: ~1.5 MB at worst, and 4x faster
 MAX_PARAMS_DEPTH = 32  # msgpack refuses to pack past ~1000 levels: a deep params map must not reach the ranks

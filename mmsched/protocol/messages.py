@@ -43,6 +43,7 @@ class Item:
     id: str | None = None
     ref: str | None = None
     ipc: dict | None = None
+    memfd: dict | None = None  # transport "memfd" (an extension): {"pid", "fd", "inode"}
 
     def wire(self) -> dict:
         """The item as the leader forwards it to followers (inline bytes included)."""
@@ -53,6 +54,8 @@ class Item:
         }
         if self.payload is not None:
             d["payload"] = self.payload
+        if self.memfd is not None:  # only then: the batch of other transports is unchanged
+            d["memfd"] = self.memfd
         return d
 
     @classmethod
@@ -62,7 +65,7 @@ class Item:
             index=index, modality=d["modality"], transport=d["transport"], dtype=d["dtype"],
             shape=shape, nbytes=nbytes(shape, d["dtype"]), shm_name=d["shm_name"],
             offset=d["offset"], pooled=d["pooled"], payload=d.get("payload"), id=d["id"],
-            ref=d["ref"], ipc=d["ipc"],
+            ref=d["ref"], ipc=d["ipc"], memfd=d.get("memfd"),
         )
 
     @property

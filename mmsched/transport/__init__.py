@@ -14,9 +14,11 @@ import torch
 from ..faults import NO_FAULTS, Faults
 from ..protocol import Item
 from .base import OpenedFeature, typed
+from .buffers import Buffers
 from .cuda_ipc import Attachments, CudaIpcFeature, acknowledge
 from .forwarded import ForwardedFeature
 from .inline import InlineFeature
+from .memfd import MemfdCache, MemfdFeature
 from .session import SessionFeature
 from .shm import ShmFeature
 from .shm_pool import PoolCache, PooledFeature
@@ -26,28 +28,32 @@ __all__ = ["ForwardedFeature", "OpenedFeature", "Transports", "typed"]
 
 class Transports:
     """One rank's transports: ``open`` picks an item's transport and never raises, ``tidy``
-    closes cached handles their owners removed. The caches (pooled shm descriptors,
+    closes cached handles their owners removed. The caches (pooled shm descriptors, memfd mappings,
     cuda_ipc attachments and ack boards) live here, one set per rank, not in module globals."""
 
     def __init__(self, rank: int = 0, world: int = 1, faults: Faults = NO_FAULTS,
                  pool_limit: int = PoolCache.LIMIT, attach_limit: int = Attachments.LIMIT):
         self.rank, self.world, self.faults = rank, world, faults
         self.pools = PoolCache(pool_limit)
+        self.memfds = MemfdCache(pool_limit)
+        self.buffers = Buffers()  # big features' destinations, reused once nobody holds them
         self.attached = Attachments(attach_limit)
 
     def open(self, item: Item, rid: str, lookup: Callable[[str], torch.Tensor] | None = None) -> OpenedFeature:
         """Open one item on this rank. Never raises: errors are kept on the feature.
 
         ``lookup(ref)`` resolves a session item to the session's stored tensor. The protocol
-        admits only these four transports."""
+        admits only these five transports (memfd is an extension)."""
         if item.transport == "shm":
             if item.pooled:
-                return PooledFeature(item, rid, self.faults, self.pools)
-            return ShmFeature(item, rid, self.faults)
+                return PooledFeature(item, rid, self.faults, self.pools, self.buffers)
+            return ShmFeature(item, rid, self.faults, self.buffers)
         if item.transport == "inline":
             return InlineFeature(item, rid, self.faults)
         if item.transport == "session":
             return SessionFeature(item, rid, self.faults, lookup)
+        if item.transport == "memfd":
+            return MemfdFeature(item, rid, self.faults, self.memfds, self.buffers)
         return CudaIpcFeature(item, rid, self.faults, self.rank, self.world, self.attached)
 
     def forwarded(self, item: Item, rid: str) -> ForwardedFeature:
@@ -61,11 +67,11 @@ class Transports:
     def tidy(self) -> int:
         """Close cached pool descriptors and attachments whose file is gone or replaced and that
         no feature reads now: a pool its owner unlinked is freed, not kept alive by this rank."""
-        return self.pools.prune() + self.attached.prune()
+        return self.pools.prune() + self.memfds.prune() + self.attached.prune()
 
     def clear(self) -> None:
         """Close every idle handle (the rest on their last release): for whoever is done with them (tests)."""
-        for cache in (self.pools, self.attached.pools, self.attached.boards):
+        for cache in (self.pools, self.memfds, self.attached.pools, self.attached.boards, self.buffers):
             cache.clear()
 
     def __repr__(self) -> str:

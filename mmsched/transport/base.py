@@ -9,6 +9,7 @@ import torch
 
 from ..faults import Faults
 from ..protocol import Item, torch_dtype
+from .buffers import NO_REUSE, Buffers
 
 
 def typed(raw: torch.Tensor, item: Item) -> torch.Tensor:
@@ -61,3 +62,21 @@ class OpenedFeature:
 
         Never raises; idempotent; False means something could not be released (and was logged)."""
         raise NotImplementedError
+
+
+class LeasedFeature(OpenedFeature):
+    """A slice of a client's pool (pooled shm, memfd), read through a handle leased from a
+    per-rank cache (``leases.py``) into a buffer from ``buffers``. ``_open`` sets ``_lease``;
+    release gives it back: the cache keeps the pool open for the next request, nothing is unlinked."""
+
+    __slots__ = ("_lease", "_cache", "_buffers")
+
+    def __init__(self, item: Item, rid: str, faults: Faults, cache, buffers: Buffers = NO_REUSE):
+        self._lease, self._cache, self._buffers = None, cache, buffers
+        super().__init__(item, rid, faults)
+
+    def release(self, unlink: bool) -> bool:
+        if self._lease is not None:
+            self._cache.release(self._lease)
+            self._lease = None
+        return True

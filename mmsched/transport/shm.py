@@ -23,15 +23,16 @@ from ..log import event
 from ..protocol import Item
 from ..segments import SegmentTooSmall, read_into, shm_path
 from .base import OpenedFeature, typed
+from .buffers import NO_REUSE, Buffers
 
 
 class ShmFeature(OpenedFeature):
     """A feature in a segment: opened and locked at construction, errors kept as data."""
 
-    __slots__ = ("unlinked", "_fd", "_released")
+    __slots__ = ("unlinked", "_fd", "_released", "_buffers")
 
-    def __init__(self, item: Item, rid: str, faults: Faults):
-        self._fd, self._released, self.unlinked = -1, False, False
+    def __init__(self, item: Item, rid: str, faults: Faults, buffers: Buffers = NO_REUSE):
+        self._fd, self._released, self.unlinked, self._buffers = -1, False, False, buffers
         super().__init__(item, rid, faults)
 
     def _open(self) -> None:
@@ -44,7 +45,7 @@ class ShmFeature(OpenedFeature):
                                   f"offset {item.offset} + nbytes {item.nbytes} = {need}")
 
     def _read(self) -> torch.Tensor:
-        raw = torch.empty(self.item.nbytes, dtype=torch.uint8)
+        raw = self._buffers.take(self.item.nbytes)
         read_into(self._fd, raw.numpy(), self.item.offset, self.item.shm_name)
         return typed(raw, self.item)
 

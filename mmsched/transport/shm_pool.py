@@ -19,10 +19,8 @@ import stat
 import torch
 
 from ..errors import FeatureError
-from ..faults import Faults
-from ..protocol import Item
 from ..segments import SegmentTooSmall, read_into, shm_path
-from .base import OpenedFeature, typed
+from .base import LeasedFeature, typed
 from .leases import LeasedCache
 
 
@@ -68,7 +66,7 @@ class PoolCache(LeasedCache[str, _OpenPool]):
 
 
 
-class PooledFeature(OpenedFeature):
+class PooledFeature(LeasedFeature):
     """A slice of a client's pool, read (pread) through a leased descriptor; nothing to unlink.
 
     The lease keeps the descriptor open until ``release``, so its number is never reused
@@ -76,11 +74,7 @@ class PooledFeature(OpenedFeature):
     time, and touching a mapping past the end of its file is a SIGBUS that would take the
     rank down; a short read is an error for this request only."""
 
-    __slots__ = ("_lease", "_cache")
-
-    def __init__(self, item: Item, rid: str, faults: Faults, cache: PoolCache):
-        self._lease, self._cache = None, cache
-        super().__init__(item, rid, faults)
+    __slots__ = ()
 
     def _open(self) -> None:
         item = self.item
@@ -91,12 +85,6 @@ class PooledFeature(OpenedFeature):
                                   f"{item.offset} + nbytes {item.nbytes} = {item.offset + item.nbytes}")
 
     def _read(self) -> torch.Tensor:
-        raw = torch.empty(self.item.nbytes, dtype=torch.uint8)
+        raw = self._buffers.take(self.item.nbytes)
         read_into(self._lease.handle.fd, raw.numpy(), self.item.offset, self.item.shm_name)
         return typed(raw, self.item)
-
-    def release(self, unlink: bool) -> bool:
-        if self._lease is not None:  # the cache keeps the pool open for the next request
-            self._cache.release(self._lease)
-            self._lease = None
-        return True
