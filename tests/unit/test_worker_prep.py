@@ -139,3 +139,17 @@ def test_the_bytes_decide_the_image_type_and_errors_leak_no_object_reprs(prep):
     with pytest.raises(BadRequest) as err:
         prep.prepare(body(b"not an image at all"))
     assert "0x" not in str(err.value) and "BytesIO" not in str(err.value), err.value
+
+
+def test_an_unexpected_error_in_a_handler_is_a_json_500_naming_it():
+    import asyncio
+
+    from aiohttp.test_utils import make_mocked_request
+
+    from mmsched.worker.app import errors
+
+    async def broken(_request):
+        raise KeyError("surprise")
+
+    resp = asyncio.run(errors(make_mocked_request("POST", "/v1/chat/completions"), broken))
+    assert resp.status == 500 and json.loads(resp.body)["error"]["message"] == "internal error: KeyError: 'surprise'"
