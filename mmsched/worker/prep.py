@@ -126,9 +126,6 @@ class Preprocessor:
             rgb = img.convert("RGB")
         return self.images(images=[rgb], return_tensors="pt")["pixel_values"].to(torch.float32)
 
-    def pixels(self, url: str) -> torch.Tensor:
-        return self.decode_image(self.open_image(url))
-
 
 @contextmanager
 def _unreadable():
