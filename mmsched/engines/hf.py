@@ -49,7 +49,7 @@ class HFEngine:
         self.model = load_model(str(ctx.options.get("model", SHIPPED)), ctx.seed)
         cfg = self.model.config
         self.image_token, self.eos = cfg.image_token_index, cfg.text_config.eos_token_id
-        self.vocab = cfg.text_config.vocab_size
+        self.vocab, self.context = cfg.text_config.vocab_size, cfg.text_config.max_position_embeddings
         size = cfg.vision_config.image_size
         self.pixel_shape = (cfg.vision_config.num_channels, size, size)
         self.tokens_per_image = (size // cfg.vision_config.patch_size) ** 2
@@ -75,6 +75,10 @@ class HFEngine:
         ids = torch.from_numpy(np.asarray(req.input_ids, dtype=np.int64)).reshape(1, -1)
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab:
             raise ValueError(f"input_ids outside the vocabulary (0..{self.vocab - 1})")
+        wanted = ids.shape[1] + (req.max_new_tokens if req.type == "generate" else 0)
+        if wanted > self.context:  # past it the positions are garbage, and the run takes minutes
+            raise ValueError(f"{ids.shape[1]} input ids + {wanted - ids.shape[1]} new tokens are over the "
+                             f"model's context of {self.context} (max_position_embeddings)")
         pixels = [f.to(torch.float32).reshape(-1, *self.pixel_shape) for f in self._checked(req.features)]
         images = sum(p.shape[0] for p in pixels)
         slots = int((ids == self.image_token).sum())

@@ -1,22 +1,30 @@
 """The worker's HTTP side (aiohttp): ``POST /v1/chat/completions`` and ``GET /health``.
 
-Bounded everywhere: the body size (413 from aiohttp), requests at once (503 past
-``max_concurrency``), reading the body and waiting for mmsched (``timeout``: 408/504).
-mmsched's statuses pass through (400, 500 naming the failed ranks, 503); a caller who
-goes away before the answer gets its request aborted inside mmsched.
+Bounded everywhere: the body size (413), requests at once (503 past ``max_concurrency``),
+reading the body and waiting for mmsched (``timeout``: 408/504), preparation (tokenizing,
+decoding images) on a few threads off the event loop. mmsched's statuses pass through
+(400, 500 naming the failed ranks, 503); while mmsched is known down (``Liveness``) a
+chat is a 503 at once, and one in flight when it goes down is a 503 too. A caller who
+goes away before the answer gets its request aborted inside mmsched. Every error,
+unexpected ones included, is the JSON error shape.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
 
 from .. import client as mm
+from .liveness import Liveness, MmschedDown
 from .prep import BadRequest, Preprocessor
+
+log = logging.getLogger("mmsched.worker")
 
 RID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 FEATURES = {"pooled": mm.pooled, "shm": mm.shm, "inline": mm.inline}
@@ -28,14 +36,19 @@ def error(status: int, message: str, **extra) -> web.Response:
 
 class Worker:
     def __init__(self, prep: Preprocessor, client: mm.Client, *, transport: str = "pooled",
-                 max_concurrency: int = 64, timeout: float = 60.0, model: str = "mmsched-hf"):
+                 max_concurrency: int = 64, timeout: float = 60.0, model: str = "mmsched-hf",
+                 prep_threads: int = 2, middlewares=()):
         self.prep, self.client, self.feature = prep, client, FEATURES[transport]
         self.max_concurrency, self.timeout, self.model = max_concurrency, timeout, model
         self.active = 0
+        self.live = Liveness(client)
+        self._pool = ThreadPoolExecutor(prep_threads, thread_name_prefix="prep")  # bounds the CPU preparation takes
+        self._middlewares = [*middlewares, errors]
         self._abandoned: set[asyncio.Task] = set()
 
     def app(self, max_body: int) -> web.Application:
-        app = web.Application(client_max_size=max_body)
+        self.max_body = max_body
+        app = web.Application(client_max_size=max_body, middlewares=self._middlewares)
         app.add_routes([web.post("/v1/chat/completions", self.chat), web.get("/health", self.health)])
         return app
 
@@ -47,6 +60,8 @@ class Worker:
         return web.Response(text="ok\n")
 
     async def chat(self, request: web.Request) -> web.Response:
+        if self.live.down:
+            return error(503, "mmsched does not answer")
         if self.active >= self.max_concurrency:
             return error(503, f"worker busy: {self.active} requests in flight")
         self.active += 1
@@ -55,11 +70,13 @@ class Worker:
                 body = await asyncio.wait_for(request.read(), self.timeout)
             except asyncio.TimeoutError:
                 return error(408, "request body not received in time")
+            except web.HTTPRequestEntityTooLarge:
+                return error(413, f"body larger than {self.max_body} bytes")
             rid = request.headers.get("X-Request-Id") or f"chatcmpl-{uuid.uuid4().hex}"
             if not RID.fullmatch(rid):
                 return error(400, "X-Request-Id: 1-128 of [A-Za-z0-9._:-]")
             try:
-                prepared = await asyncio.get_running_loop().run_in_executor(None, self.prep.prepare, body)
+                prepared = await asyncio.get_running_loop().run_in_executor(self._pool, self.prep.prepare, body)
             except BadRequest as exc:
                 return error(400, str(exc))
             return await self._generate(rid, prepared)
@@ -74,7 +91,10 @@ class Worker:
         except ValueError as exc:  # the rid is already in flight
             return error(400, str(exc))
         try:
-            res = await self.client.wait(rid, fut, self.timeout)
+            with self.live.watching(fut):
+                res = await self.client.wait(rid, fut, self.timeout)
+        except MmschedDown:
+            return error(503, "mmsched stopped answering while this request was in flight")
         except asyncio.CancelledError:  # the caller went away (aiohttp cancels the handler)
             self._abandon(rid, fut)
             raise
@@ -106,3 +126,17 @@ class Worker:
         task = asyncio.ensure_future(abort())
         self._abandoned.add(task)
         task.add_done_callback(self._abandoned.discard)
+
+
+@web.middleware
+async def errors(request: web.Request, handler):
+    """An unexpected exception is a logged JSON 500, not aiohttp's bare page; aiohttp's own errors keep their status."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error(exc.status, exc.reason)
+    except Exception as exc:  # noqa: BLE001 - the last line: whatever it was, the caller gets JSON
+        log.exception("unexpected error on %s", request.path)
+        return error(500, f"internal error: {type(exc).__name__}: {exc}")

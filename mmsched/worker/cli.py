@@ -20,6 +20,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB", help="largest request body (16); 413 beyond")
     p.add_argument("--max-concurrency", type=int, default=64, metavar="N", help="requests at once (64); 503 beyond")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="largest max_tokens accepted (256)")
+    p.add_argument("--max-images", type=int, default=16, metavar="N", help="images per request (16); 400 beyond")
+    p.add_argument("--max-pixels", type=float, default=8.0, metavar="MPIX",
+                   help="pixels of all a request's images together, in millions (8); 400 beyond")
+    p.add_argument("--max-connections", type=int, default=256, metavar="N",
+                   help="open HTTP connections (256); one more gets 503 and is closed")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="seconds for a connection's request headers to arrive (10); then it is closed")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="seconds to read a body, and to wait for mmsched (60)")
 
@@ -48,10 +55,12 @@ async def _serve(args: argparse.Namespace) -> int:
     from ..log import event
     from ..producers.shm_pool import ShmPool
     from .app import Worker
+    from .guard import Guard
     from .prep import Preprocessor
 
     log.setup(-1, role="worker")
-    prep = Preprocessor(args.model or str(SHIPPED), max_new_tokens=args.max_tokens)
+    prep = Preprocessor(args.model or str(SHIPPED), max_new_tokens=args.max_tokens, max_images=args.max_images,
+                        max_pixels=int(args.max_pixels * 1e6))
     host, _, port = args.listen.rpartition(":")
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -59,14 +68,19 @@ async def _serve(args: argparse.Namespace) -> int:
     pool = ShmPool(int(args.pool_mb * (1 << 20)), args.shm_prefix) if args.transport == "pooled" else None
     try:
         async with Client(args.frontend, shm_prefix=args.shm_prefix, timeout=args.timeout, shm_pool=pool) as client:
+            guard = Guard(args.max_connections, args.header_timeout)
             worker = Worker(prep, client, transport=args.transport, max_concurrency=args.max_concurrency,
-                            timeout=args.timeout)
+                            timeout=args.timeout, middlewares=[guard.middleware])
             runner = web.AppRunner(worker.app(int(args.max_body_mb * (1 << 20))), handler_cancellation=True,
-                                   access_log=None)
+                                   access_log=None, keepalive_timeout=args.header_timeout)
             await runner.setup()
-            await web.TCPSite(runner, host or "127.0.0.1", int(port)).start()
+            guard.server = runner.server
+            site = await asyncio.get_running_loop().create_server(guard, host or "127.0.0.1", int(port))
+            worker.live.start()
             event("worker_listening", address=f"http://{host or '127.0.0.1'}:{port}", frontend=args.frontend)
             await stop.wait()
+            site.close()
+            await worker.live.stop()
             await runner.cleanup()
     finally:
         if pool is not None:

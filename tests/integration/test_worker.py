@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,8 +52,9 @@ def chat(image: bytes, text="What is in the picture?", max_tokens=8) -> dict:
         {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}]}
 
 
-def post(port: int, body: dict, rid: str | None = None, timeout=120) -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+def post(port: int, body: dict | bytes, rid: str | None = None, timeout=120) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data,
                                  {"Content-Type": "application/json", **({"X-Request-Id": rid} if rid else {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -107,7 +109,8 @@ def stack(tmp_path_factory):
                          tmp_dir=str(tmp), ready_timeout=240),
                2: Server("--engine", ENGINE, "--tp", "2", "--admin", str(admins[2]), "--stall-s", "4",
                          "--fault", "1:engine:fail-*", "--fault", "0:hold:hold-*", tmp_dir=str(tmp), ready_timeout=240)}
-    workers = {1: Worker(servers[1], tmp, "--max-concurrency", "1"), 2: Worker(servers[2], tmp)}
+    workers = {1: Worker(servers[1], tmp, "--max-concurrency", "1", "--max-connections", "8", "--header-timeout", "3"),
+               2: Worker(servers[2], tmp)}
     try:
         for tp in (1, 2):
             servers[tp].__enter__()
@@ -160,8 +163,9 @@ def test_a_body_over_the_limit_is_a_413(stack):
                                  {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=60)
-    err.value.close()
-    assert err.value.code == 413
+    with err.value:
+        assert err.value.code == 413
+        assert "body larger than" in json.loads(err.value.read())["error"]["message"]
 
 
 def test_an_engine_fault_on_rank_1_is_a_500_naming_rank_1(stack):
@@ -197,3 +201,79 @@ def test_the_readme_curl_example_runs_as_written(stack, tmp_path):
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
     assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] >= 1, answer
+
+
+def many_images(n: int, size=(40, 30)) -> dict:
+    body = chat(png(size=size))
+    body["messages"][0]["content"] *= n  # n text parts and n images
+    return body
+
+
+REFUSED = {  # issue 14's attacks that must be a cheap JSON 400 at the worker, naming the limit
+    "14-MiB-text": ({"messages": [{"role": "user", "content": "a" * (14 << 20)}]}, "characters is over the limit"),
+    "over-the-context": ({"messages": [{"role": "user", "content": " ".join(map(str, range(1500)))}]},
+                         "over the model's context of 2048 tokens"),
+    "decompression-bomb": (None, "too large to decode"),
+    "nested-json": (b"[" * 100_000 + b"]" * 100_000, "nested too deep"),
+    "stream": ({**chat(png()), "stream": True}, "streaming is not supported"),
+    "20-images": (None, "20 images; at most 16 per request"),
+    "pixels-in-all": (None, "pixels in all are over the limit of 8000000"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_an_attack_is_a_quick_json_400_naming_its_limit(stack, case):
+    from tests.unit.test_worker_prep import png_header
+
+    _, worker, admin = stack[2]
+    body, words = REFUSED[case]
+    body = {"decompression-bomb": lambda: chat(png_header(20000, 20000)), "20-images": lambda: many_images(20),
+            "pixels-in-all": lambda: many_images(3, (2000, 2000))}.get(case, lambda: body)()
+    before, t0 = results(admin), time.monotonic()
+    status, answer = post(worker.port, body)
+    assert status == 400 and words in answer["error"]["message"], answer
+    assert time.monotonic() - t0 < 15, "refused, but only after the expensive work"
+    assert results(admin) == before
+
+
+def test_user_text_that_looks_like_special_tokens_is_plain_text(stack):
+    status, body = post(stack[2][1].port, chat(png(), text="<image> <s> </s> what now?"))
+    assert status == 200, body
+
+
+def test_slow_headers_are_cut_off_and_open_connections_are_bounded(stack):
+    port = stack[1][1].port  # --max-connections 8 --header-timeout 3
+    loris = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+    try:
+        for s in loris:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        with socket.create_connection(("127.0.0.1", port)) as ninth:
+            ninth.settimeout(10)
+            reply = ninth.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 503") and b"too many open connections" in reply, reply
+        for s in loris:  # cut at the header deadline: the server closes them
+            s.settimeout(15)
+            assert s.recv(4096) == b""
+        assert post(port, chat(png()))[0] == 200  # room again
+    finally:
+        for s in loris:
+            s.close()
+
+
+def test_with_mmsched_down_a_chat_is_a_503_at_once(tmp_path):
+    """A worker whose mmsched never answers: after its pings miss, chats are 503 without waiting --timeout."""
+    worker = Worker(SimpleNamespace(addr=f"ipc://{tmp_path}/nobody.sock"), tmp_path, "--timeout", "60")
+    try:
+        deadline, status = time.monotonic() + 120, None
+        while status != 503:
+            assert time.monotonic() < deadline and worker.proc.poll() is None, Path(worker.log.name).read_text()
+            try:
+                status, body = post(worker.port, chat(png()), timeout=5)
+            except OSError:  # not listening yet, or still waiting for mmsched
+                time.sleep(0.5)
+        t0 = time.monotonic()
+        status, body = post(worker.port, chat(png()), timeout=30)
+        assert status == 503 and "mmsched does not answer" in body["error"]["message"], body
+        assert time.monotonic() - t0 < 5
+    finally:
+        worker.stop()

@@ -67,6 +67,14 @@ def test_bad_requests_fail_alone(engine):
     assert "output_ids" in out[3]
 
 
+def test_a_request_over_the_models_context_fails_alone_before_running(engine):
+    long = request(n=2048 - 20 + 1)  # 1 + 16 + 3 input ids: one token over the context of 2048
+    fits = request(n=4)
+    out = engine.step([long, fits])
+    assert isinstance(out[0], ValueError) and "over the model's context of 2048" in str(out[0]), out[0]
+    assert "output_ids" in out[1]
+
+
 @pytest.mark.parametrize("spec", ["mmsched.engines.nosuch:HFEngine", "mmsched.engines.hf:NoSuch", "no-colon"])
 def test_an_engine_spec_that_does_not_load_is_a_config_error_naming_it(spec):
     from mmsched.engine import load_engine
