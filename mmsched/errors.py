@@ -49,5 +49,10 @@ class ShmFull(MMSchedError):
 
 
 def describe(exc: BaseException) -> str:
-    """``Type: message`` — how a rank names its error in a 500."""
-    return f"{type(exc).__name__}: {exc}"
+    """``Type: message`` — how a rank names its error in a 500. Never raises: an exception
+    whose ``__str__`` raises or returns a non-string (a plug-in engine's) is named by its type."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - __str__ raised, or returned something not a str
+        text = "<unprintable message>"
+    return f"{type(exc).__name__}: {text}"

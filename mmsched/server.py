@@ -118,8 +118,11 @@ def start_engine(cfg: Config, group):
     ctx = EngineContext(rank=group.rank, world=world, group=engine_group, seed=cfg.seed,
                         options=dict(cfg.engine_options))
     engine, problem = None, None
+    t0 = time.monotonic()
+    event("engine_loading", engine=cfg.engine)  # a factory may load weights for minutes: say so
     try:
         engine = load_engine(cfg.engine, ctx)
+        event("engine_ready", engine=cfg.engine, seconds=round(time.monotonic() - t0, 3))
     except ConfigError as exc:
         problem = f"rank {group.rank}: {exc}"
     problems = [p for p in group.all_gather_object(problem) if p]

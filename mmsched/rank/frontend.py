@@ -14,7 +14,7 @@ from ..auth import claim_ipc, ipc_identity, ipc_lost, remove_ipc, restrict_ipc, 
 from ..config import Config
 from ..errors import ConfigError, describe
 from ..log import event
-from ..protocol import pack
+from ..protocol import INTERNAL, pack, result
 
 Handler = Callable[[list], None]
 
@@ -59,7 +59,7 @@ class Frontend:
         # Through the asyncio socket, not the shadow: a send processes the socket's mailbox and
         # can consume the edge-triggered FD signal the receiver's poll waits on; pyzmq's own
         # send then re-checks ZMQ_EVENTS, so incoming messages are never left unread.
-        exc = self.sock.send_multipart([client, pack(header)], flags=zmq.NOBLOCK).exception()
+        exc = self.sock.send_multipart([client, _packed(header)], flags=zmq.NOBLOCK).exception()
         if exc is not None:
             event("send_failed", logging.WARNING, rid=header.get("rid"), error=describe(exc))
 
@@ -88,3 +88,14 @@ class Frontend:
         if self._auth is not None:
             self._auth.stop()
         self.ctx.term()
+
+
+def _packed(header: dict) -> bytes:
+    """The message's bytes. A result that cannot be encoded (the runner already refuses an
+    engine output MessagePack cannot carry: this is the last line) becomes a 500 for that
+    request instead of an exception that would end the loop."""
+    try:
+        return pack(header)
+    except Exception as exc:  # noqa: BLE001 - whatever the encoder refuses
+        event("result_not_encodable", logging.ERROR, rid=header.get("rid"), error=describe(exc))
+        return pack(result(header.get("rid"), INTERNAL, f"result could not be encoded: {describe(exc)}"))

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import msgpack
 import numpy as np
 
 from .. import consensus
@@ -21,10 +22,29 @@ from ..protocol import Request
 
 
 def engine_requests(reqs: list[Request], tensors: list[list], live: list[int]) -> list[EngineRequest]:
-    """What the engine sees of the surviving requests: ids, features, no transport details."""
+    """What the engine sees of the surviving requests: ids, features, no transport details.
+
+    A feature a session keeps (an item with an ``id``, or a ``session`` ref) reaches the
+    engine as a copy: an engine that writes into its input must not change what later
+    turns read."""
     return [EngineRequest(rid=reqs[i].rid, type=reqs[i].type, input_ids=reqs[i].input_ids.astype(np.int64),
-                          features=tensors[i], modalities=[it.modality for it in reqs[i].items],
+                          features=[_own(it, t) for it, t in zip(reqs[i].items, tensors[i])],
+                          modalities=[it.modality for it in reqs[i].items],
                           max_new_tokens=reqs[i].max_new_tokens, params=reqs[i].params) for i in live]
+
+
+def _own(item, t):
+    return t.clone() if item.id is not None or item.transport == "session" else t
+
+
+def _sendable(out):
+    """The output map, or the TypeError a client would otherwise never see: the leader sends
+    outputs as MessagePack, and one it cannot encode must fail that request, not the loop."""
+    try:
+        msgpack.packb(out, use_bin_type=True)
+    except Exception as exc:  # noqa: BLE001 - anything the encoder refuses
+        return TypeError(f"engine output cannot be sent as MessagePack: {describe(exc)}")
+    return out
 
 
 def call(engine: Engine, requests: list[EngineRequest]) -> list:
@@ -36,8 +56,8 @@ def call(engine: Engine, requests: list[EngineRequest]) -> list:
                             f" entries for {len(requests)} requests")
     except Exception as exc:  # noqa: BLE001 - the engine's failure, this rank's only
         return [exc] * len(requests)
-    return [o if isinstance(o, (dict, Exception)) else TypeError(f"engine returned {type(o).__name__}, not a map")
-            for o in outs]
+    return [o if isinstance(o, Exception) else _sendable(o) if isinstance(o, dict)
+            else TypeError(f"engine returned {type(o).__name__}, not a map") for o in outs]
 
 
 def local_flags(requests: list[EngineRequest], outs: list, faults: Faults) -> tuple[np.ndarray, dict[int, str]]:

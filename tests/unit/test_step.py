@@ -153,3 +153,62 @@ def test_the_agreement_is_one_collective_failures_included():
     assert Counting.calls == 1
     run_engine(Counting(), Engine([ValueError("x")]), NO_FAULTS, 0.0, requests("a"), lambda j: None)
     assert Counting.calls == 2  # the error string rides in the flags' all-gather
+
+
+# ---------------------------------------------------------------- what a plug-in engine can get wrong
+# (found by an outside attack on the plug-in contract: each one ended the leader's loop or
+# broke the group, or changed what a session's later turns read)
+
+def test_an_output_messagepack_cannot_carry_fails_that_request_only():
+    import torch
+
+    s = step(Engine([{"o": torch.zeros(2)}, {"o": {1, 2}}, {"o": 3}]))
+    assert [s.verdict.ok(j) for j in range(3)] == [False, False, True]
+    assert s.verdict.message(0).startswith("rank 0: TypeError: engine output cannot be sent as MessagePack")
+    assert s.outputs == [None, None, {"o": 3}]
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("str exploded")
+
+
+class NotAString(Exception):
+    def __str__(self):
+        return 42  # noqa: PLE0307 - what a careless engine does
+
+
+@pytest.mark.parametrize("exc", [Unprintable(), NotAString()])
+def test_an_exception_that_cannot_say_what_it_is_still_names_its_type(exc):
+    s = step(Engine([exc, {"o": 2}]), rids=("a", "b"))
+    assert s.verdict.message(0) == f"rank 0: {type(exc).__name__}: <unprintable message>"
+    assert s.verdict.ok(1)
+
+
+def test_a_feature_a_session_keeps_reaches_the_engine_as_a_copy():
+    import torch
+
+    from mmsched.protocol import Item, Request
+    from mmsched.step.engine_step import engine_requests
+
+    kept, passing = torch.arange(4, dtype=torch.uint8), torch.arange(4, dtype=torch.uint8)
+    items = [Item(index=0, modality="image", transport="inline", dtype="uint8", shape=(4,), nbytes=4, id="img"),
+             Item(index=1, modality="image", transport="session", dtype="uint8", shape=(4,), nbytes=4, ref="img"),
+             Item(index=2, modality="image", transport="inline", dtype="uint8", shape=(4,), nbytes=4)]
+    req = Request(rid="r", type="embed", input_ids=np.array([1]), items=items, session_id="s")
+    [got] = engine_requests([req], [[kept, kept, passing]], [0])
+    for t in got.features:
+        t.fill_(9)  # an engine that writes into its input
+    assert kept.tolist() == [0, 1, 2, 3]  # what the session stores and later turns read
+    assert passing.tolist() == [9, 9, 9, 9]  # a feature nobody keeps is not copied
+
+
+def test_a_result_that_cannot_be_encoded_is_a_500_not_the_end_of_the_loop():
+    import msgpack
+
+    from mmsched.protocol import OK, result
+    from mmsched.rank.frontend import _packed
+
+    sent = msgpack.unpackb(_packed(result("r1", OK, output={"o": {1, 2}})), raw=False)
+    assert (sent["rid"], sent["status"]) == ("r1", 500)
+    assert sent["message"].startswith("result could not be encoded: TypeError")
