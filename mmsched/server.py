@@ -73,6 +73,7 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     if code != 0:
         logging.shutdown()
         os._exit(code)  # a lane thread may be stuck inside gloo: do not wait for it
+    _ignore_late_signals()
     lane.close()
     group.close()
     return code
@@ -180,6 +181,15 @@ def _die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _ignore_late_signals() -> None:
+    """The work is done: a stop signal that arrives now (a supervisor's second SIGTERM) must
+    not turn a clean exit into death by signal. Python restores the default action of its
+    own handlers while it finalizes, which is slow once an engine's imports are loaded; an
+    ignored signal stays ignored."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -214,6 +224,7 @@ def launch_group(cfg: Config, argv: list[str]) -> int:
         if all(c is not None for c in codes):
             bad = [c for c in codes if c != 0]
             event("group_exited", codes=",".join(map(str, codes)))
+            _ignore_late_signals()
             return bad[0] if bad else 0
         if failed_at is None and any(c not in (None, 0) for c in codes):
             failed_at = time.monotonic()
