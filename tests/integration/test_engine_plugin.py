@@ -69,8 +69,9 @@ def mmsched(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("spec, what", [
     ("echo_engine:NoSuchEngine", "has no attribute 'NoSuchEngine'"),
-    ("no_such_engine_module:Engine", "cannot import 'no_such_engine_module'"),
-    ("json:loads", "the factory raised TypeError"),  # json.loads(EngineContext): a factory that raises
+    # the other two (slow): the same exit path; tests/unit/test_engine_loading.py checks every message
+    pytest.param("no_such_engine_module:Engine", "cannot import 'no_such_engine_module'", marks=pytest.mark.slow),
+    pytest.param("json:loads", "the factory raised TypeError", marks=pytest.mark.slow),  # a factory that raises
 ])
 def test_a_spec_that_cannot_be_used_exits_2_naming_it(spec, what, tmp_path):
     proc = mmsched("serve", "--frontend", f"ipc://{tmp_path}/s.sock", "--engine", spec,

@@ -157,7 +157,7 @@ def private_server(tmp_path):
 
 # ---------------------------------------------------------------- failures scoped to their request
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])  # tp=4 (slow): same logic, twice the ranks
 async def test_mixed_batch_failures_are_scoped_to_their_rank(group, tp):
     srv = group(tp)
     tag = uuid.uuid4().hex[:6]

@@ -231,6 +231,7 @@ def test_plot_without_matplotlib_fails_before_the_run(tmp_path):
         "(or .venv/bin/pip install matplotlib)", proc.stderr
 
 
+@pytest.mark.slow  # suite budget: a --duration run of its own
 def test_a_duration_is_not_cut_short_by_the_default_request_count(shared_server, tmp_path):
     """Issue 17 item 4: ``--rate 2000 --duration 10`` (the README's example) stopped after the
     default 1000 requests, in 0.5 s. Here: 250/s for 6 s must send about 1500, not 1000."""

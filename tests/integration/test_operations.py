@@ -375,6 +375,7 @@ async def test_sigterm_during_load_answers_every_request_once_and_exits_0(start_
     _check_drain(results, waves, names, unrouted, code, srv.logs())
 
 
+@pytest.mark.slow  # suite budget: the same drain as test_sigterm_during_load_answers_every_request_once_and_exits_0
 async def test_sigint_to_the_whole_process_group_drains_the_same_way(start_server):
     """Ctrl-C in a terminal signals the foreground process group (the launcher, which forwards
     it to the leader); a process manager (systemd's control group, torchrun) may deliver it to

@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 
+import pytest
 import torch
 
 from mmsched.client import Client, raw, shm
@@ -41,6 +42,7 @@ async def test_ping_through_the_client(shared_server):
         assert r.status == 200
 
 
+@pytest.mark.slow  # suite budget: test_operations.py::test_sigterm_during_load_answers_every_request_once_and_exits_0 drains under load
 async def test_sigterm_drains_every_request_once(start_server):
     """hold-0 stalls 2 s in the engine; 20 more queue behind it; SIGTERM with a 0.5 s drain budget."""
     srv = start_server("--fault", "0:stall:hold-*", "--stall-s", "2", "--shutdown-timeout", "0.5")
