@@ -94,7 +94,8 @@ def _join_group(cfg: Config, rank: int, world: int):
     group = SoloGroup() if world == 1 else GlooGroup(rank, world, "env://", cfg.collective_timeout)
     topology = Topology.single() if world == 1 else Topology.discover(rank, world)
     if world > 1:
-        group = RingGroup(group, topology.hosts, cfg.shm_prefix, cfg.collective_timeout)
+        if cfg.batch_ring:  # off by default: measured slower at tp=2 text-only (bench, closing note of issue 13)
+            group = RingGroup(group, topology.hosts, cfg.shm_prefix, cfg.collective_timeout)
     return group, topology
 
 

@@ -164,7 +164,7 @@ def _stopped(pid: int) -> bool:
 
 async def test_big_batch_arrives_then_a_stopped_follower_breaks_the_group(private_server):
     timeout = 4.0
-    srv = private_server("--tp", "2", "--collective-timeout", str(timeout))
+    srv = private_server("--tp", "2", "--batch-ring", "--collective-timeout", str(timeout))
     pids = srv.rank_pids()
     # the leader unlinked its ring once the follower mapped it: a kill -9 from now on leaves nothing
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"{PREFIX}{pids[0]}_ring_")]
