@@ -7,7 +7,6 @@ naming the key; the CLI turns that into exit code 2.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from dataclasses import dataclass, field, fields
