@@ -140,15 +140,21 @@ class Ring:
     def _wait(self, line: int, until, who: str) -> None:
         """Sleep on a header word until ``until(value)``; GroupBroken past the deadline or if a peer died."""
         at, addr = line * _LINE // 4, self._addr[line]
-        if until(self._words[at]):
+        seen = self._words[at]
+        if until(seen):
             return
         deadline = time.monotonic() + self.timeout_s
-        while not until(self._words[at]):
+        while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise GroupBroken(f"ring: {who} did not move within {self.timeout_s:g} s")
-            _futex_wait(addr, self._words[at], min(TICK_S, left))
-            if not until(self._words[at]) and not all(_alive(p) for p in self.peers):
+            # sleep only while the word still holds the value just judged: a change between
+            # the check and the call makes the kernel return at once (no lost wake-up)
+            _futex_wait(addr, seen, min(TICK_S, left))
+            seen = self._words[at]
+            if until(seen):
+                return
+            if not all(_alive(p) for p in self.peers):
                 raise GroupBroken(f"ring: {who} is gone")
 
     # ------------------------------------------------------------ leader

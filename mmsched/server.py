@@ -60,7 +60,7 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     except Exception as exc:  # the engine's group, or the agreement on it, failed
         event("group_init_failed", logging.ERROR, error=describe(exc))
         return 3
-    lane = Lane(cfg.collective_timeout)
+    lane = make_lane(cfg)
     faults = Faults(cfg.faults, rank)
     runner = BatchRunner(group, engine, faults, unlinks=(rank == 0),
                          sessions=SessionStore(cfg.session_max_bytes, cfg.session_max_count, cfg.session_max_features),
@@ -77,6 +77,11 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     lane.close()
     group.close()
     return code
+
+
+def make_lane(cfg: Config) -> Lane:
+    """The rank's collective lane, its torch thread count set on the lane thread itself."""
+    return Lane(cfg.collective_timeout, on_start=lambda: torch.set_num_threads(cfg.torch_threads))
 
 
 def _prepare_process(cfg: Config, rank: int) -> None:

@@ -52,3 +52,19 @@ def test_a_call_that_raises_breaks_the_lane_with_its_error():
 
     asyncio.run(scenario())
     lane.close()
+
+
+def test_the_rank_lane_runs_torch_ops_on_the_configured_thread_count():
+    """torch's thread count is per thread: a lane left at the default ran each op on an
+    OpenMP pool of one thread per core whose workers spin, a third of a core each."""
+    import torch
+
+    from mmsched.config import Config
+    from mmsched.server import make_lane
+
+    cfg = Config(torch_threads=1)
+    lane = make_lane(cfg)
+    try:
+        assert asyncio.run(lane.run(torch.get_num_threads)) == cfg.torch_threads
+    finally:
+        lane.close()
