@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, Coroutine
 
 from .errors import GroupBroken, describe
 
@@ -50,22 +50,33 @@ class Lane:
 
     async def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
         """Run ``fn(*args)`` on the lane; GroupBroken if it raises or overruns the deadline."""
+        return await self.start(fn, *args, timeout_s=timeout_s)
+
+    def start(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Coroutine:
+        """Queue ``fn(*args)`` now, before the caller yields; await the result for its value
+        (the leader starts the next batch this way, then answers the last one)."""
         if self.broken:
-            raise GroupBroken(self.broken)
+            return self._refused(self.broken)
         fut: Future = Future()
         self.busy_since = time.monotonic()
         self._jobs.put((fut, fn, args))
-        deadline = self.timeout_s if timeout_s is None else timeout_s
+        return self._result(fut, getattr(fn, "__name__", fn), self.timeout_s if timeout_s is None else timeout_s)
+
+    @staticmethod
+    async def _refused(why: str) -> Any:
+        raise GroupBroken(why)
+
+    async def _result(self, fut: Future, name: str, deadline: float) -> Any:
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), deadline)
         except asyncio.TimeoutError:
-            self.broken = f"collective {getattr(fn, '__name__', fn)} passed its {deadline:g}s deadline"
+            self.broken = f"collective {name} passed its {deadline:g}s deadline"
             raise GroupBroken(self.broken) from None
         except GroupBroken as exc:
             self.broken = str(exc)
             raise
         except Exception as exc:
-            self.broken = f"collective {getattr(fn, '__name__', fn)} raised {describe(exc)}"
+            self.broken = f"collective {name} raised {describe(exc)}"
             raise GroupBroken(self.broken) from exc
         finally:
             self.busy_since = None

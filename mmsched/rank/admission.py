@@ -49,7 +49,7 @@ class Admission:
         # close_session asks in arrival order, each with the seq of the last request received
         # before it: it joins a batch once none of those is still queued, and is acked after it
         self._closing: deque[tuple[int, bytes, str]] = deque()
-        self._acking: list[tuple[bytes, str]] = []
+        self._acks: dict[int, list[tuple[bytes, str]]] = {}  # by batch seq: the closes it runs and acks
         self._closes_pending: Counter[str] = Counter()  # scoped ids with a close not yet acked
         self._arrived = 0  # requests received so far (their seq)
         self._seq = 0  # batches formed
@@ -146,10 +146,13 @@ class Admission:
         """Up to max_batch queued requests (the batch is empty for a heartbeat), after the
         closes whose earlier requests all left the queue, and the sessions idle too long."""
         self._seq += 1
+        acks = []
         while self._closing and not self._queued_before(self._closing[0][0]):
             _, client, sid = self._closing.popleft()
-            self._acking.append((client, sid))
-        batch = Batch(self._seq, closes=[scoped(client, sid) for client, sid in self._acking])
+            acks.append((client, sid))
+        batch = Batch(self._seq, closes=[scoped(client, sid) for client, sid in acks])
+        if acks:  # kept by batch: the leader may form the next batch before it answers this one
+            self._acks[batch.seq] = acks
         if self.gather_stats and now - self._stats_at >= self.STATS_EVERY_S:
             self._stats_at, batch.gather_stats = now, True
         if now - self._idle_checked >= self.IDLE_CHECK_S:  # sessions idle past their timeout close in-stream
@@ -174,13 +177,12 @@ class Admission:
     def finish(self, batch: Batch, results: list[dict]) -> list[Reply]:
         """The acks of the sessions this batch closed, then each request's result."""
         replies = []
-        for client, sid in self._acking:
+        for client, sid in self._acks.pop(batch.seq, ()):
             key = scoped(client, sid)
             self._closes_pending[key] -= 1
             if not self._closes_pending[key]:
                 del self._closes_pending[key]
             replies.append(Reply(client, ack_close(sid)))
-        self._acking = []
         for req, res in zip(batch.requests, results):
             self._forget(req)
             self.inflight.pop(req.key, None)
@@ -210,8 +212,8 @@ class Admission:
 
     def ack_closes(self) -> list[Reply]:
         """No batch will run again: ack every close still waiting."""
-        waiting = self._acking + [(client, sid) for _, client, sid in self._closing]
-        self._acking, self._closing = [], deque()
+        waiting = [a for acks in self._acks.values() for a in acks] + [(client, sid) for _, client, sid in self._closing]
+        self._acks, self._closing = {}, deque()
         return [Reply(client, ack_close(sid)) for client, sid in waiting]
 
     def _unrun(self, req: Request, status: int, message: str, **meta) -> Reply:

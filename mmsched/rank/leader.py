@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Coroutine
 
 from .. import protocol
 from ..admin import AdminServer
@@ -48,20 +49,31 @@ class Leader:
         # role links, bound once
         self._publish = self._broadcast if world > 1 else _nothing
         self._run = self._run_on_lane if world > 1 else self._run_solo
+        self._overlap = world > 1  # a group of one runs small batches on the loop itself
         self._stop_followers = self._broadcast_stop if world > 1 else _nothing_async
 
     async def serve(self) -> int:
-        """The leader's loop: take, run on every rank, answer — until drained or broken."""
+        """The leader's loop: take, run on every rank, answer — until drained or broken.
+
+        With followers, batch k+1 starts on the lane before batch k is answered when work
+        is already waiting: answering (encode, send, release) overlaps the next batch's
+        collectives instead of leaving the lane idle."""
         async with self._services():
-            while not self.life.done(time.monotonic(), self.core.idle):
-                batch = await self._next_batch()        # 1. what is queued (or a heartbeat)
+            batch, step = None, None
+            while step is not None or not self.life.done(time.monotonic(), self.core.idle):
+                if step is None:
+                    batch = await self._next_batch()    # 1. what is queued (or a heartbeat)
+                    step = self._start(batch)           # 2. publish + run, on every rank
                 try:
-                    outcome = await self._run(batch)    # 2. publish + run, on every rank
+                    outcome = await self._outcome(step)
                 except GroupBroken as exc:
                     return await self._broken(str(exc))
                 if outcome is None:                     # a second signal: go now
                     break
+                following = self._waiting_batch()
+                step = self._start(following) if following is not None else None
                 self._finish(batch, *outcome)           # 3. answer each request once
+                batch = following
             return await self._stopped()
 
     # ------------------------------------------------------------ 1. receive, admit, batch
@@ -101,6 +113,12 @@ class Leader:
         if self.core.queue:
             self._wake.set()
 
+    def _waiting_batch(self) -> Batch | None:
+        """The next batch when work is queued and followers could start it now; else None."""
+        if not self._overlap or not self.core.has_work or self.life.done(time.monotonic(), False):
+            return None
+        return self.core.next_batch(time.monotonic())
+
     async def _next_batch(self) -> Batch:
         """Wait for work (or a heartbeat of idleness), then let the core form the batch."""
         if not self.core.has_work and not self._stop.is_set():
@@ -136,9 +154,15 @@ class Leader:
         except Exception as exc:  # as on the lane: a step that raises means we can no longer serve
             raise GroupBroken(f"batch step raised {describe(exc)}") from exc
 
-    async def _run_on_lane(self, batch: Batch) -> Outcome | None:
+    def _run_on_lane(self, batch: Batch) -> Coroutine:
+        """Queued on the lane at once (not when the caller next yields); awaited for the outcome."""
+        return self.lane.start(self._lead, batch)
+
+    def _start(self, batch: Batch) -> asyncio.Future:
+        return asyncio.ensure_future(self._run(batch))
+
+    async def _outcome(self, step: asyncio.Future) -> Outcome | None:
         """The batch's outcome; None when a second signal cut it short."""
-        step = asyncio.ensure_future(self.lane.run(self._lead, batch))
         now = asyncio.ensure_future(self._now.wait())
         await asyncio.wait({step, now}, return_when=asyncio.FIRST_COMPLETED)
         now.cancel()

@@ -147,6 +147,20 @@ def test_a_close_runs_after_the_requests_received_before_it_and_before_those_aft
     assert replies[0].header["type"] == "ack" and replies[0].client == A, "the close is acked first"
 
 
+def test_a_close_in_the_next_batch_is_acked_with_that_batch_even_when_formed_before_the_last_is_answered():
+    """The leader starts batch k+1 before it answers batch k (tp > 1): the ack of a close
+    that k+1 runs must not leave with k's answers, before the session was released."""
+    c = core(max_batch=8)
+    c.admit(req("a1"))
+    c.close_session(A, "chat")
+    first = c.next_batch(1.0)
+    second = c.next_batch(1.0)  # formed while the first still runs
+    assert second.closes == [scoped(A, "chat")]
+    assert [r.header["type"] for r in c.finish(first, [ok(200)])] == ["result"], "no ack with the first batch"
+    assert [r.header["type"] for r in c.finish(second, [])] == ["ack"]
+    assert c.ack_closes() == [], "acked once"
+
+
 def test_stats_are_gathered_every_two_seconds_and_idle_sessions_close_in_stream():
     c = core(session_idle_timeout=5.0)
     c.sessions.put("idle-one", {"f": torch.zeros(1)})

@@ -68,3 +68,17 @@ def test_the_rank_lane_runs_torch_ops_on_the_configured_thread_count():
         assert asyncio.run(lane.run(torch.get_num_threads)) == cfg.torch_threads
     finally:
         lane.close()
+
+
+def test_start_queues_the_call_before_the_caller_yields():
+    """The leader starts batch k+1 this way and then answers batch k on the loop: the lane
+    must already be running k+1 meanwhile, not wait for the loop's next turn."""
+    lane, ran = Lane(5.0), threading.Event()
+
+    async def scenario():
+        pending = lane.start(ran.set)
+        assert ran.wait(5), "the call ran while the loop had not yielded"
+        await pending
+
+    asyncio.run(scenario())
+    lane.close()
