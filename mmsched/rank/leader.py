@@ -48,7 +48,6 @@ class Leader:
         self._wake, self._stop, self._now = asyncio.Event(), asyncio.Event(), asyncio.Event()
         # role links, bound once
         self._publish = self._broadcast if world > 1 else _nothing
-        self._run = self._run_on_lane if world > 1 else self._run_solo
         self._overlap = world > 1  # a group of one runs small batches on the loop itself
         self._stop_followers = self._broadcast_stop if world > 1 else _nothing_async
 
@@ -65,7 +64,7 @@ class Leader:
                     batch = await self._next_batch()    # 1. what is queued (or a heartbeat)
                     step = self._start(batch)           # 2. publish + run, on every rank
                 try:
-                    outcome = await self._outcome(step)
+                    outcome = await step
                 except GroupBroken as exc:
                     return await self._broken(str(exc))
                 if outcome is None:                     # a second signal: go now
@@ -115,7 +114,8 @@ class Leader:
 
     def _waiting_batch(self) -> Batch | None:
         """The next batch when work is queued and followers could start it now; else None."""
-        if not self._overlap or not self.core.has_work or self.life.done(time.monotonic(), False):
+        if not self._overlap or not self.core.has_work or self._now.is_set() \
+                or self.life.done(time.monotonic(), False):
             return None
         return self.core.next_batch(time.monotonic())
 
@@ -148,7 +148,7 @@ class Leader:
             self.runner.tidy()  # nothing to run, but idle pools are still checked
             return [], None
         if self.runner.faults or sum(r.feature_bytes for r in batch.requests) > self.INLINE_BYTES:
-            return await self._run_on_lane(batch)
+            return await self._watched(asyncio.ensure_future(self._run_on_lane(batch)))
         try:
             return self._lead(batch)
         except Exception as exc:  # as on the lane: a step that raises means we can no longer serve
@@ -158,10 +158,14 @@ class Leader:
         """Queued on the lane at once (not when the caller next yields); awaited for the outcome."""
         return self.lane.start(self._lead, batch)
 
-    def _start(self, batch: Batch) -> asyncio.Future:
-        return asyncio.ensure_future(self._run(batch))
+    def _start(self, batch: Batch) -> Coroutine:
+        """The batch's outcome, to await. With followers the batch is on the lane already
+        (the loop may answer the last batch first); a group of one runs it when awaited."""
+        if self._overlap:
+            return self._watched(asyncio.ensure_future(self._run_on_lane(batch)))
+        return self._run_solo(batch)
 
-    async def _outcome(self, step: asyncio.Future) -> Outcome | None:
+    async def _watched(self, step: asyncio.Future) -> Outcome | None:
         """The batch's outcome; None when a second signal cut it short."""
         now = asyncio.ensure_future(self._now.wait())
         await asyncio.wait({step, now}, return_when=asyncio.FIRST_COMPLETED)
