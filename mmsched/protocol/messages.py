@@ -156,11 +156,7 @@ class Result:
         return self.status == OK
 
     def to_wire(self) -> dict:
-        return {
-            "v": VERSION, "type": "result", "rid": self.rid, "status": self.status,
-            "err_type": ERR_TYPE.get(self.status) if self.err_type is None else self.err_type,
-            "message": self.message, "output": self.output, "meta": self.meta or {},
-        }
+        return _result_map(self.rid, self.status, self.err_type, self.message, self.output, self.meta)
 
     @classmethod
     def from_wire(cls, h: dict) -> "Result":
@@ -197,7 +193,16 @@ def pack(header: dict) -> bytes:
 
 def result(rid: str | None, status: int, message: str | None = None,
            output: dict | None = None, meta: dict | None = None) -> dict:
-    return Result(rid, status, None, message, output, meta).to_wire()
+    return _result_map(rid, status, None, message, output, meta)  # one per request: no Result object
+
+
+def _result_map(rid: str | None, status: int, err_type: str | None, message: str | None,
+                output: dict | None, meta: dict | None) -> dict:
+    return {
+        "v": VERSION, "type": "result", "rid": rid, "status": status,
+        "err_type": ERR_TYPE.get(status) if err_type is None else err_type,
+        "message": message, "output": output, "meta": meta or {},
+    }
 
 
 def pong(ranks: int, healthy: bool, **extra: Any) -> dict:
