@@ -101,7 +101,8 @@ class Request:
 
     @property
     def feature_bytes(self) -> int:
-        return sum(it.nbytes for it in self.items)
+        """Asked several times per request on the leader: a text-only one costs no generator."""
+        return sum([it.nbytes for it in self.items]) if self.items else 0
 
     def wire(self) -> list:
         return [
