@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import cached_property
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -73,7 +74,7 @@ class Config:
     engine_options: dict = _opt({}, "a table passed to the engine's factory as EngineContext.options "
                                 "([engine_options] in a file; an inline table like {layers = 2} as a flag)")
 
-    @property
+    @cached_property  # read per message: built once (a Config is not changed after load)
     def limits(self) -> Limits:
         return Limits(shm_prefix=self.shm_prefix, max_input_len=self.max_input_len,
                       max_items=self.max_items, max_item_bytes=self.max_item_bytes,

@@ -43,7 +43,15 @@ class Metrics:
         self.request_latency = Histogram(
             "mmsched_request_latency_seconds", "From admission at the leader to the result being sent",
             ["status"], buckets=self.LATENCY_BUCKETS, registry=self.registry)
+        self._latency_by_status: dict[int, Histogram] = {}
         self.registry.register(_GroupCollector(status))
+
+    def observe_latency(self, status: int, seconds: float) -> None:
+        """One result's latency, under its status; ``labels()`` is looked up once per status."""
+        child = self._latency_by_status.get(status)
+        if child is None:
+            child = self._latency_by_status[status] = self.request_latency.labels(str(status))
+        child.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,6 +19,7 @@ from ..engine import EngineContext, EngineRequest
 
 class ReferenceEngine:
     D_IN, HIDDEN, TOKEN_TABLE, CHUNKS = 64, 256, 4096, 16
+    BLOCK_IDS = 1 << 12  # ids gathered in one block: its rows (2 MiB) stay in cache while summed
 
     def __init__(self, ctx: EngineContext):
         g = torch.Generator().manual_seed(ctx.seed)
@@ -36,6 +37,10 @@ class ReferenceEngine:
         """Input ids and feature bytes → one D_IN vector (numpy: no torch dispatch per small op)."""
         # the rows of the request's tokens, summed: not a dense pass over the whole table per request
         x = self.token_table[req.input_ids % self.TOKEN_TABLE].sum(axis=0) / len(req.input_ids)
+        return self._add_features(x, req)
+
+    def _add_features(self, x: np.ndarray, req: EngineRequest) -> np.ndarray:
+        """``x`` plus each feature's chunked byte sums, projected (in place; returned)."""
         for t in req.features:
             b = t.reshape(-1).view(torch.uint8).cpu().numpy()  # the reference engine computes on the CPU
             n = b.size
@@ -50,23 +55,52 @@ class ReferenceEngine:
             x += (sums / (255.0 * max(m, 1))) @ self.byte_proj_np
         return x
 
+    def encode_batch(self, requests: list[EngineRequest], x: np.ndarray) -> dict[int, Exception]:
+        """Every request's ``encode`` into the rows of ``x`` [n, D_IN]; the failures by index.
+
+        Requests with as many ids as each other share one fancy index and one sum over a
+        [k, len, D_IN] block: the rows are added in the same order as ``encode`` adds them,
+        so the bits are the same (``np.add.reduceat`` adds in another order: it is not)."""
+        groups: dict[int | None, list[int]] = {}
+        for i, req in enumerate(requests):
+            ids = req.input_ids
+            ok = isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind in "iu"
+            groups.setdefault(len(ids) if ok else None, []).append(i)
+        failed: dict[int, Exception] = {}
+        for length, rows in groups.items():
+            per = max(1, self.BLOCK_IDS // max(length or 1, 1))
+            for at in range(0, len(rows), per):
+                self._encode_rows(requests, rows[at: at + per], length, x, failed)
+        return failed
+
+    def _encode_rows(self, requests: list[EngineRequest], rows: list[int], length: int | None,
+                     x: np.ndarray, failed: dict[int, Exception]) -> None:
+        """The rows of requests of ``length`` ids (None: odd ids, each request alone)."""
+        if length:
+            try:
+                ids = np.stack([requests[i].input_ids for i in rows]) % self.TOKEN_TABLE
+                x[rows] = np.take(self.token_table, ids, axis=0).sum(axis=1) / length  # take: faster than []
+            except (IndexError, TypeError):  # int64 and uint64 ids stack as floats: each alone then
+                length = None
+        for i in rows:
+            try:
+                if not length:
+                    x[i] = self.encode(requests[i])
+                elif requests[i].features:
+                    self._add_features(x[i], requests[i])
+            except Exception as exc:  # noqa: BLE001 - this request fails on this rank only
+                failed[i] = exc
+
     def step(self, requests: list[EngineRequest]) -> list[dict | Exception]:
         n = len(requests)
         x = torch.zeros(n, self.D_IN, dtype=torch.float64)
-        xn = x.numpy()  # rows filled through numpy: one torch setitem less per request
-        failed: dict[int, Exception] = {}
-        for i, req in enumerate(requests):
-            try:
-                xn[i] = self.encode(req)
-            except Exception as exc:  # noqa: BLE001 - this request fails on this rank only
-                failed[i] = exc
+        failed = self.encode_batch(requests, x.numpy()) if n else {}  # rows filled through numpy
         local = torch.zeros(n, self.width, dtype=torch.float64)
         local[:, : self.shard.shape[1]] = x @ self.shard
         hidden = self._gather(local)
         if self.rank != 0:  # only rank 0's outputs are sent: the others do not render theirs
             return [failed.get(i, {}) for i in range(n)]
-        rows = hidden.numpy()  # one view for the batch; each request reads its row
-        return [failed[i] if i in failed else self._output(req, rows[i]) for i, req in enumerate(requests)]
+        return self._outputs(requests, hidden.numpy(), failed)
 
     def _gather(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's shard of every row, side by side: [n, HIDDEN]."""
@@ -78,10 +112,17 @@ class ReferenceEngine:
         parts = out.view(self.world, local.shape[0], self.width)
         return torch.cat([parts[r, :, :w] for r, w in enumerate(self.widths)], dim=1)
 
-    def _output(self, req: EngineRequest, h: np.ndarray) -> dict:
-        if req.type == "embed":  # numpy per row: a few torch dispatches less per request
-            v = (h / max(math.sqrt(float(h @ h)), 1e-12)).astype("<f4")
-            return {"embedding": v.tobytes(), "dim": int(v.size)}
+    def _outputs(self, requests: list[EngineRequest], rows: np.ndarray, failed: dict) -> list[dict | Exception]:
+        """Each request's output from its row of ``rows`` [n, HIDDEN]; the embeddings are
+        normalised in one pass (each row's norm is still its own ``h @ h``: the same bits)."""
+        norms = np.array([r @ r for r in rows])
+        np.sqrt(norms, out=norms)
+        emb = (rows / np.maximum(norms, 1e-12)[:, None]).astype("<f4")
+        return [failed[i] if i in failed
+                else {"embedding": emb[i].tobytes(), "dim": emb.shape[1]} if req.type == "embed"
+                else self._generate(req, rows[i]) for i, req in enumerate(requests)]
+
+    def _generate(self, req: EngineRequest, h: np.ndarray) -> dict:
         k = req.max_new_tokens
         idx = (torch.arange(self.HIDDEN)[None, :] - torch.arange(k)[:, None]) % self.HIDDEN
         tokens = torch.argmax(torch.from_numpy(h)[idx] * self.mix, dim=1)

@@ -14,6 +14,9 @@ from .header import Unread, frame_len, unpack_header
 from .limits import MAX_PARAMS_DEPTH, MODALITIES, REQUEST_TYPES, TRANSPORTS, VERSION, Limits, valid_shm_name
 from .messages import Abort, CloseSession, Item, Message, Ping, Request
 
+I32 = np.dtype("<i4")
+_min, _max = np.minimum.reduce, np.maximum.reduce  # what ndarray.min/max call, minus two Python layers
+
 
 def readable_rid(header: Any) -> str | None:
     """The rid a 400 may carry: only a well-formed one."""
@@ -74,7 +77,7 @@ def _request(h: dict, typ: str, frames: Sequence[Any], limits: Limits) -> Reques
     if not isinstance(params, dict):
         raise BadRequest("params", "must be a map")
     # params are re-packed into the batch every rank receives: bounded in depth and elements
-    depth, count = _shape_of(params, MAX_PARAMS_DEPTH, limits.max_params_items)
+    depth, count = _shape_of(params, MAX_PARAMS_DEPTH, limits.max_params_items) if params else (1, 0)
     if depth > MAX_PARAMS_DEPTH:
         raise BadRequest("params", f"nested deeper than {MAX_PARAMS_DEPTH} levels")
     if count > limits.max_params_items:
@@ -222,11 +225,13 @@ def _ipc(ipc: Any, f: str, limits: Limits) -> dict:
 
 
 def _input_ids(v: Any, limits: Limits) -> np.ndarray:
+    """The ids as int32, each bound checked by one min (and one max) over the array: the
+    common case, a bin of int32, is never copied and cannot reach 2^31."""
     f = "input_ids"
     if isinstance(v, (bytes, bytearray)):
         if len(v) % 4:
             raise BadRequest(f, "bin length must be a multiple of 4 (little-endian int32)")
-        arr = np.frombuffer(v, dtype="<i4")
+        arr = np.frombuffer(v, dtype=I32)
     elif isinstance(v, list):
         if len(v) > limits.max_input_len:  # before numpy copies it
             raise BadRequest(f, f"length {len(v)} outside 1..{limits.max_input_len} (max_input_len)")
@@ -240,9 +245,9 @@ def _input_ids(v: Any, limits: Limits) -> np.ndarray:
         raise BadRequest(f, "required: an array of ints or a bin of int32")
     if not 1 <= arr.size <= limits.max_input_len:
         raise BadRequest(f, f"length {arr.size} outside 1..{limits.max_input_len} (max_input_len)")
-    if arr.min() < 0 or (arr.dtype != np.dtype("<i4") and arr.max() >= 2**31):  # int32 cannot reach 2^31
+    if _min(arr) < 0 or (arr.dtype != I32 and _max(arr) >= 2**31):
         raise BadRequest(f, "each id must satisfy 0 <= id < 2^31")
-    return arr.astype("<i4", copy=False)
+    return arr if arr.dtype == I32 else arr.astype(I32)
 
 
 def _shape_of(v: Any, max_depth: int, max_count: int) -> tuple[int, int]:

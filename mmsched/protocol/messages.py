@@ -101,7 +101,8 @@ class Request:
 
     @property
     def feature_bytes(self) -> int:
-        return sum(it.nbytes for it in self.items)
+        """Asked several times per request on the leader: a text-only one costs no generator."""
+        return sum([it.nbytes for it in self.items]) if self.items else 0
 
     def wire(self) -> list:
         return [
@@ -156,11 +157,7 @@ class Result:
         return self.status == OK
 
     def to_wire(self) -> dict:
-        return {
-            "v": VERSION, "type": "result", "rid": self.rid, "status": self.status,
-            "err_type": ERR_TYPE.get(self.status) if self.err_type is None else self.err_type,
-            "message": self.message, "output": self.output, "meta": self.meta or {},
-        }
+        return _result_map(self.rid, self.status, self.err_type, self.message, self.output, self.meta)
 
     @classmethod
     def from_wire(cls, h: dict) -> "Result":
@@ -197,7 +194,16 @@ def pack(header: dict) -> bytes:
 
 def result(rid: str | None, status: int, message: str | None = None,
            output: dict | None = None, meta: dict | None = None) -> dict:
-    return Result(rid, status, None, message, output, meta).to_wire()
+    return _result_map(rid, status, None, message, output, meta)  # one per request: no Result object
+
+
+def _result_map(rid: str | None, status: int, err_type: str | None, message: str | None,
+                output: dict | None, meta: dict | None) -> dict:
+    return {
+        "v": VERSION, "type": "result", "rid": rid, "status": status,
+        "err_type": ERR_TYPE.get(status) if err_type is None else err_type,
+        "message": message, "output": output, "meta": meta or {},
+    }
 
 
 def pong(ranks: int, healthy: bool, **extra: Any) -> dict:

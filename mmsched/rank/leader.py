@@ -200,7 +200,7 @@ class Leader:
             status = header["status"]
             self.status.results_sent[status] = self.status.results_sent.get(status, 0) + 1
             if t0 is not None:
-                self.status.metrics.request_latency.labels(str(status)).observe(time.monotonic() - t0)
+                self.status.metrics.observe_latency(status, time.monotonic() - t0)
 
     # ------------------------------------------------------------ services and stopping
     @contextlib.asynccontextmanager

@@ -27,10 +27,13 @@ def engine_requests(reqs: list[Request], tensors: list[list], live: list[int]) -
     A feature a session keeps (an item with an ``id``, or a ``session`` ref) reaches the
     engine as a copy: an engine that writes into its input must not change what later
     turns read."""
-    return [EngineRequest(rid=reqs[i].rid, type=reqs[i].type, input_ids=reqs[i].input_ids.astype(np.int64),
-                          features=[_own(it, t) for it, t in zip(reqs[i].items, tensors[i])],
-                          modalities=[it.modality for it in reqs[i].items],
-                          max_new_tokens=reqs[i].max_new_tokens, params=reqs[i].params) for i in live]
+    out = []
+    for i in live:
+        r = reqs[i]
+        features = [_own(it, t) for it, t in zip(r.items, tensors[i])] if r.items else []  # text: no zips
+        out.append(EngineRequest(r.rid, r.type, r.input_ids.astype(np.int64), features,
+                                 [it.modality for it in r.items], r.max_new_tokens, r.params))
+    return out
 
 
 def _own(item, t):
