@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=_sizes, default=[64 << 10, 1 << 20, 16 << 20],
                    help="bytes per batch, comma-separated (default 64K,1M,16M)")
     p.add_argument("--items", type=int, default=1, help="host-bound items the bytes are split into (default 1)")
-    p.add_argument("--no-extra", action="store_true", help="leave out the rows 1 MiB in 4 items, and one of them failed")
+    p.add_argument("--no-extra", action="store_true",
+                   help="leave out the rows 1 MiB in 4 items, and one of them failed")
     p.add_argument("--budget", type=float, default=0.8, help="timed seconds per approach and size (default 0.8)")
     p.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     args = p.parse_args(argv)

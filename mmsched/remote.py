@@ -2,9 +2,9 @@
 
 A rank's *host* is the shared memory it can see: the kernel's boot id and the device of
 /dev/shm. Ranks that share the leader's attach shm / CUDA IPC features as usual. For the
-others, the leader ships the bytes it already read (read once) with the batch: one
-point-to-point transfer to the lowest rank of each remote host, which re-broadcasts to
-the other ranks of its host over a host-local subgroup. So each remote host receives a
+others, the leader ships the bytes it already read (read once) with the batch to the
+lowest rank of each remote host (one message in the common case: the shipment, below),
+which re-broadcasts to the other ranks of its host over a host-local subgroup. So each remote host receives a
 feature once, however many of its ranks need it. A failure to read on the leader's host
 or to receive on a remote one is recorded on the feature (``transport.ForwardedFeature``)
 like any other: the consensus sees it and the 500 names the rank.
