@@ -141,3 +141,31 @@ def test_a_feature_a_session_may_keep_does_not_pin_the_batch_buffer():
     # one without an id is a view: no copy on the hot path
     view = feats[0].materialize()
     assert view.untyped_storage().nbytes() > math.prod(big.shape) * big.element_size()
+
+
+def test_a_kept_forwarded_feature_is_never_overwritten_by_a_later_batch():
+    """The receiver's buffer comes from ``Buffers``: while the engine (or anyone) still holds a
+    view of batch k's feature, batch k+1 lands elsewhere; once nothing holds it, it is reused."""
+    from mmsched.transport.buffers import Buffers
+
+    buffers = Buffers(limit=16 << 20)
+    first, second = torch.randn(1 << 18), torch.randn(1 << 18)  # 1 MiB each: big enough to be pooled
+    sizes = [nbytes(first)]
+    lay = remote.layout(sizes)
+
+    def land(t: torch.Tensor) -> torch.Tensor:
+        buf = buffers.take(lay.total)
+        (message,), blob = remote.frame(sizes, [t])
+        buf.copy_(message)
+        f = ForwardedFeature(item(t), "r", NO_FAULTS)
+        f.receive(remote.unframe(lay, buf, blob)[0])
+        return f.materialize()
+
+    held = land(first)
+    ptr = held.data_ptr()
+    later = land(second)
+    assert torch.equal(held, first) and torch.equal(later, second)
+    assert later.data_ptr() != ptr
+    del held, later
+    again = land(second)
+    assert buffers.reused >= 1 and torch.equal(again, second)
