@@ -1,20 +1,24 @@
 """Forwarding to a remote host: mmsched's ``remote.ship``/``receive`` against a raw gloo broadcast.
 
-    .venv/bin/python bench/remote.py [--sizes 64K,1M,16M] [--items 1] [--budget 0.8] [--json FILE]
+    .venv/bin/python bench/remote.py [--sizes 64K,1M,16M] [--items 1] [--no-extra] [--budget 0.8] [--json FILE]
 
 Two processes form a real gloo group on 127.0.0.1 (one torch thread each). Rank 1 is
 marked remote (``Topology(rank, hosts=["a", "b"], host_groups={})``), so for every
-batch the leader does what ``BatchRunner`` step 2b does: ``ship`` packs the batch's
-host-bound items (``--items`` of them, together ``size`` bytes) into one buffer and sends
-size, header and bytes; rank 1 ``receive``s them into fresh buffers and ``fill``s its
-forwarded features. The baseline is one ``dist.broadcast`` of the same bytes into a
-buffer rank 1 already holds: what gloo alone costs to move them. A third column, one
-``dist.send``/``recv`` of the same bytes, shows what the point-to-point primitive ``ship``
-is built on costs by itself. All are timed on the receiving rank, from a barrier to the
-last transfer landing, in rounds that take the approaches in turn (a noisy spell hits
-them all); the figure is the median round. Before timing, rank 1 checks that what it
-received is byte for byte what rank 0 shipped. Each cell is bounded by ``--budget``
-seconds, so a run stays well under a minute.
+batch the leader does what ``BatchRunner`` step 2b does: ``ship`` sends the batch's
+host-bound items (``--items`` of them, together ``size`` bytes) in its framing (small items
+copied behind a status prefix, big ones as they are); rank 1 ``receive``s them into one
+buffer from a ``Buffers`` pool (as a rank's ``Transports`` does) and hands its forwarded
+features their bytes, which it materializes. Two extra rows (``--no-extra`` drops them):
+1 MiB in 4 items (all copied into one message), and the same with one item the leader
+failed to read (one more message, the reason). The baseline is one ``dist.broadcast`` of
+the same bytes into a buffer rank 1 already holds: what gloo alone costs to move them. A
+third column, one ``dist.send``/``recv`` of the same bytes, shows what the point-to-point
+primitive ``ship`` is built on costs by itself. All are timed on the receiving rank, from
+a barrier to the last transfer landing, in rounds that take the approaches in turn (a
+noisy spell hits them all); the figure is the median round. Before timing, rank 1 checks
+that what it received is byte for byte what rank 0 shipped (and that a failed item fails
+with the leader's reason). Each cell is bounded by ``--budget`` seconds, so a run stays
+well under a minute.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import time
 
 ROUNDS = 7
 MIN_REPS = 2
+EXTRA = [(1 << 20, 4, 0), (1 << 20, 4, 1)]  # (bytes, items, items the leader failed to read)
+FAILED = "FileNotFoundError: bench: the leader could not read this item"
 
 
 def _free_port() -> int:
@@ -52,7 +58,7 @@ def _batch(size: int, items: int, seed: int):
     return tensors, meta
 
 
-def _worker(rank: int, port: int, sizes: list[int], items: int, budget: float, out) -> None:
+def _worker(rank: int, port: int, cases: list[tuple[int, int, int]], budget: float, out) -> None:
     import torch
     import torch.distributed as dist
 
@@ -62,10 +68,12 @@ def _worker(rank: int, port: int, sizes: list[int], items: int, budget: float, o
     from mmsched.group import GlooGroup
     from mmsched.remote import Topology
     from mmsched.transport import ForwardedFeature
+    from mmsched.transport.buffers import Buffers
 
     group = GlooGroup(rank, 2, f"tcp://127.0.0.1:{port}", timeout_s=60)
     topo = Topology(rank, hosts=["a", "b"], host_groups={})
     faults = Faults([], rank)
+    buffers = Buffers()
     barrier = torch.zeros(1, 1, dtype=torch.int64)
 
     def agreed(value: float) -> float:
@@ -75,17 +83,20 @@ def _worker(rank: int, port: int, sizes: list[int], items: int, budget: float, o
         return float(t.item())
 
     rows = []
-    for size in sizes:
+    for size, items, failed in cases:
         tensors, meta = _batch(size, items, seed=size)
-        keys = [(0, j) for j in range(items)]
+        sizes = [it.nbytes for it in meta]
+        bad = set(range(1, 1 + failed))  # the failed items sit between good ones
+        payloads = [FAILED if k in bad else t for k, t in enumerate(tensors)]
 
         def forward():
             if rank == 0:
-                remote.ship(topo, keys, [tensors], {})
+                remote.ship(topo, sizes, payloads, buffers)
                 return None
-            opened = [[ForwardedFeature(it, "bench", faults) for it in meta]]
-            remote.fill(opened, keys, *remote.receive(topo))
-            return [f.materialize() for f in opened[0]]
+            opened = [ForwardedFeature(it, "bench", faults) for it in meta]
+            for f, got in zip(opened, remote.receive(topo, sizes, buffers)):
+                f.receive(got)
+            return [f.materialize() if k not in bad else f.error for k, f in enumerate(opened)]
 
         flat = torch.cat(tensors)
         raw_buf = flat.clone() if rank == 0 else torch.empty_like(flat)
@@ -102,14 +113,15 @@ def _worker(rank: int, port: int, sizes: list[int], items: int, budget: float, o
         # correctness first: the remote rank holds exactly what the leader read
         got = forward()
         if rank == 1:
-            assert all(torch.equal(a, b) for a, b in zip(got, tensors)), f"forwarded bytes differ at {size}"
+            assert all(FAILED in str(a) if k in bad else torch.equal(a, b)
+                       for k, (a, b) in enumerate(zip(got, tensors))), f"forwarded bytes differ at {size}"
         if rank == 1:
             raw_buf.zero_()
         broadcast()
         if rank == 1:
             assert torch.equal(raw_buf, flat), f"broadcast bytes differ at {size}"
 
-        row = {"bytes": size, "items": items}
+        row = {"bytes": size, "items": items, "failed": failed}
         approaches = {"mmsched": forward, "gloo": broadcast, "send": send}
         reps, times = {}, {name: [] for name in approaches}
         for name, fn in approaches.items():  # warm up, and size the rounds to the budget
@@ -139,12 +151,12 @@ def _worker(rank: int, port: int, sizes: list[int], items: int, budget: float, o
     group.close()
 
 
-def run(sizes: list[int], items: int, budget: float) -> list[dict]:
+def run(cases: list[tuple[int, int, int]], budget: float) -> list[dict]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.spawn(_worker, args=(_free_port(), sizes, items, budget, out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(_free_port(), cases, budget, out), nprocs=2, join=True)
     return out.get()
 
 
@@ -156,11 +168,12 @@ def _human(n: int) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'size':>8} {'items':>5} {'mmsched ms':>11} {'MiB/s':>7} {'broadcast ms':>13} {'MiB/s':>7} "
+    head = (f"{'size':>8} {'items':>12} {'mmsched ms':>11} {'MiB/s':>7} {'broadcast ms':>13} {'MiB/s':>7} "
             f"{'ratio':>6} {'send ms':>8} {'MiB/s':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{_human(r['bytes']):>8} {r['items']:>5} {r['mmsched_ms']:>11.3f} {r['mmsched_mib_s']:>7.0f} "
+        items = f"{r['items']}, {r['failed']} failed" if r.get("failed") else str(r["items"])
+        lines.append(f"{_human(r['bytes']):>8} {items:>12} {r['mmsched_ms']:>11.3f} {r['mmsched_mib_s']:>7.0f} "
                      f"{r['gloo_ms']:>13.3f} {r['gloo_mib_s']:>7.0f} {r['ratio']:>6.2f} "
                      f"{r['send_ms']:>8.3f} {r['send_mib_s']:>7.0f}")
     return "\n".join(lines)
@@ -183,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=_sizes, default=[64 << 10, 1 << 20, 16 << 20],
                    help="bytes per batch, comma-separated (default 64K,1M,16M)")
     p.add_argument("--items", type=int, default=1, help="host-bound items the bytes are split into (default 1)")
+    p.add_argument("--no-extra", action="store_true",
+                   help="leave out the rows 1 MiB in 4 items, and one of them failed")
     p.add_argument("--budget", type=float, default=0.8, help="timed seconds per approach and size (default 0.8)")
     p.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     args = p.parse_args(argv)
@@ -192,10 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     t0 = time.perf_counter()
-    rows = run(args.sizes, args.items, args.budget)
+    cases = [(size, args.items, 0) for size in args.sizes] + ([] if args.no_extra else EXTRA)
+    rows = run(cases, args.budget)
     print(format_table(rows))
     print(f"({time.perf_counter() - t0:.1f} s; median of {ROUNDS} rounds per cell; {os.cpu_count()} CPUs; "
-          f"mmsched = remote.ship on rank 0 + remote.receive/fill/materialize on rank 1 (remote host); "
+          f"mmsched = remote.ship on rank 0 + remote.receive/materialize on rank 1 (remote host); "
           f"broadcast = one dist.broadcast of the same bytes into a preallocated buffer; "
           f"ratio = mmsched / broadcast throughput; send = one dist.send/recv of them, the primitive ship uses)")
     if args.json:

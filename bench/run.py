@@ -300,7 +300,8 @@ def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: d
     _sync_rows(add, sync or {})
     if rem.get("rows"):
         for r in rem["rows"]:
-            add("remote", f"ship {_size(r['bytes'])} in {r['items']} item(s) to a remote host",
+            failed = f", {r['failed']} failed" if r.get("failed") else ""
+            add("remote", f"ship {_size(r['bytes'])} in {r['items']} item(s){failed} to a remote host",
                 f"{r['mmsched_mib_s']:.0f} MiB/s", f"{r['gloo_mib_s']:.0f} MiB/s", r["ratio"], 0.80,
                 "one gloo broadcast of the bytes")
     elif not rem.get("skipped"):

@@ -2,9 +2,9 @@
 
 A rank's *host* is the shared memory it can see: the kernel's boot id and the device of
 /dev/shm. Ranks that share the leader's attach shm / CUDA IPC features as usual. For the
-others, the leader ships the bytes it already read (read once) with the batch: one
-point-to-point transfer to the lowest rank of each remote host, which re-broadcasts to
-the other ranks of its host over a host-local subgroup. So each remote host receives a
+others, the leader ships the bytes it already read (read once) with the batch to the
+lowest rank of each remote host (one message in the common case: the shipment, below),
+which re-broadcasts to the other ranks of its host over a host-local subgroup. So each remote host receives a
 feature once, however many of its ranks need it. A failure to read on the leader's host
 or to receive on a remote one is recorded on the feature (``transport.ForwardedFeature``)
 like any other: the consensus sees it and the 500 names the rank.
@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, field
 
 import msgpack
 import torch
+
+from .transport.buffers import NO_REUSE
 
 HOST_BOUND = ("shm", "cuda_ipc", "memfd")  # transports that only reach ranks on the client's host
 ALIGN = 8  # forwarded items start at multiples of this in the shipped buffer (the widest dtype)
@@ -44,6 +47,8 @@ class Topology:
     rank: int
     hosts: list[str]
     host_groups: dict[str, object]  # remote host -> its subgroup (only where it has > 1 rank)
+    links: dict[str, object] = field(default_factory=dict)  # remote host -> group {0, its first rank};
+    # absent: the default group, which is exactly those two ranks (a world of 2)
 
     @property
     def is_remote(self) -> bool:
@@ -79,14 +84,23 @@ class Topology:
 
         hosts: list = [None] * world
         dist.all_gather_object(hosts, host_id())
-        groups = {}
+        return cls.build(rank, hosts)
+
+    @classmethod
+    def build(cls, rank: int, hosts: list[str]) -> "Topology":
+        """Collective: the subgroups for remote hosts (every rank creates each, in the same order)."""
+        import torch.distributed as dist
+
+        groups, links = {}, {}
         seen: dict[str, list[int]] = {}
         for r, h in enumerate(hosts):
             seen.setdefault(h, []).append(r)
-        for h, ranks in seen.items():  # every rank creates every subgroup, in the same order
+        for h, ranks in seen.items():
             if h != hosts[0] and len(ranks) > 1:
                 groups[h] = dist.new_group(ranks, backend="gloo")
-        return cls(rank, hosts, groups)
+            if h != hosts[0] and len(hosts) > 2:
+                links[h] = dist.new_group([0, ranks[0]], backend="gloo")
+        return cls(rank, hosts, groups, links)
 
 
 def host_bound(reqs) -> list[tuple[int, int]]:
@@ -94,66 +108,130 @@ def host_bound(reqs) -> list[tuple[int, int]]:
     return [(i, j) for i, r in enumerate(reqs) for j, it in enumerate(r.items) if it.transport in HOST_BOUND]
 
 
-def ship(topo: Topology, keys: list[tuple[int, int]], tensors, errors: dict[int, str]) -> int:
-    """Leader: send each remote host the bytes of ``keys`` (or why not); returns feature bytes sent.
+# ---- the shipment: what the leader sends a remote host for one batch, and where it lands
+#
+# Both sides know from the batch which items are forwarded and each one's declared size, so
+# the layout of the receiver's one buffer is fixed before a byte moves: an 8-byte prefix (the
+# length of the reasons message that follows, 0 when none), then the small items, then the
+# big ones, each item padded to ``ALIGN``. Message 0 is the prefix with the small items
+# copied in behind it; each big item is its own message, sent as it is and received straight
+# into its slice. Only when an item failed on the leader does one more message follow: the
+# reasons (msgpack). A failed item's slot still travels (zeros), so the layout never depends
+# on what failed. Each message is a broadcast over the host's link ({leader, its first rank}):
+# measured here, gloo's send/recv has a much longer tail under load than its broadcast.
 
-    Items lie back to back in one buffer, each padded to ``ALIGN`` bytes so that a remote
-    rank can view its slice as any dtype."""
-    import torch.distributed as dist
+PREFIX = 8  # bytes: int64 length of the reasons message (0: every item arrived)
+BIG = 2 << 20  # items of at least this many bytes travel as their own message, never copied
 
-    header, parts, sent = [], [], 0
-    for i, j in keys:
-        t = tensors[i][j] if i not in errors and tensors[i] else None
-        if t is None:
-            header.append(errors.get(i, "aborted before it was read"))
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each forwarded item lies in the receiver's buffer; ``slots`` are the messages' ranges."""
+
+    sizes: list[int]
+    offsets: list[int]
+    slots: list[tuple[int, int]]  # message k lands in buf[start:end]; message 0 is prefix + small items
+
+    @property
+    def total(self) -> int:
+        return self.slots[-1][1]
+
+
+def layout(sizes: list[int]) -> Layout:
+    """The same on the leader and on the receiver: it depends on the declared sizes only."""
+    offsets, pos = [0] * len(sizes), PREFIX
+    for k, n in enumerate(sizes):
+        if n < BIG:
+            offsets[k], pos = pos, pos + _padded(n)
+    slots = [(0, pos)]
+    for k, n in enumerate(sizes):
+        if n >= BIG:
+            offsets[k], pos = pos, pos + _padded(n)
+            slots.append((offsets[k], offsets[k] + n))
+    return Layout(sizes, offsets, slots)
+
+
+def frame(sizes: list[int], payloads: list, buffers=NO_REUSE) -> tuple[list[torch.Tensor], bytes]:
+    """Leader: the messages for ``payloads`` (a tensor of the item's bytes, or why there is none),
+    in ``layout(sizes).slots`` order, and the reasons message (empty when nothing failed).
+
+    Message 0 comes from ``buffers`` (reused pages: a big copy into fresh ones costs as much
+    again); its padding bytes are left as they are, a failed item's slot is zeroed. Byte work
+    goes through numpy: each torch op costs several microseconds here, at every batch."""
+    lay = layout(sizes)
+    raws = [_raw(p, n) for p, n in zip(payloads, sizes)]
+    reasons = {k: r for k, r in enumerate(raws) if isinstance(r, str)}
+    blob = msgpack.packb(reasons) if reasons else b""
+    head = buffers.take(lay.slots[0][1])
+    out = head.numpy()
+    struct.pack_into("<q", out, 0, len(blob))
+    messages = [head]
+    for k, (raw, n) in enumerate(zip(raws, sizes)):
+        failed = isinstance(raw, str)
+        if n >= BIG:
+            messages.append(torch.zeros(n, dtype=torch.uint8) if failed else raw)
         else:
-            raw = t.reshape(-1).view(torch.uint8).cpu()  # a CUDA device's copy travels from host memory
-            header.append(raw.numel())
-            parts.append(raw)
-            sent += raw.numel()
-            if _padded(raw.numel()) > raw.numel():
-                parts.append(torch.zeros(_padded(raw.numel()) - raw.numel(), dtype=torch.uint8))
-    head = torch.frombuffer(bytearray(msgpack.packb(header)), dtype=torch.uint8)
-    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    sizes = torch.tensor([head.numel(), flat.numel()], dtype=torch.int64)
-    for ranks in topo.remote_hosts.values():
-        dst = ranks[0]
-        dist.send(sizes, dst)
-        dist.send(head, dst)
-        if flat.numel():
-            dist.send(flat, dst)
-    return sent * len(topo.remote_hosts)
+            out[lay.offsets[k]: lay.offsets[k] + n] = 0 if failed else raw.numpy()
+    return messages, blob
 
 
-def receive(topo: Topology) -> tuple[list, torch.Tensor]:
-    """Remote rank: the leader's header and bytes, once per host (re-broadcast within the host)."""
+def _raw(payload, nbytes: int):
+    """An item's bytes as one contiguous uint8 CPU tensor, or why the leader cannot send them."""
+    if isinstance(payload, str):
+        return payload
+    raw = payload.reshape(-1).view(torch.uint8).cpu()  # a CUDA device's copy travels from host memory
+    if raw.numel() != nbytes:
+        return f"the leader read {raw.numel()} bytes where the item declares {nbytes}"
+    return raw
+
+
+def reasons_length(buf: torch.Tensor) -> int:
+    """The prefix: how many bytes of reasons follow the shipment."""
+    return struct.unpack_from("<q", buf.numpy(), 0)[0]
+
+
+def unframe(lay: Layout, buf: torch.Tensor, blob: bytes) -> list:
+    """Receiver: per item a uint8 view into ``buf``, or the leader's reason why it has none."""
+    reasons = msgpack.unpackb(blob, strict_map_key=False) if blob else {}
+    return [reasons[k] if k in reasons else buf[off: off + n]
+            for k, (off, n) in enumerate(zip(lay.offsets, lay.sizes))]
+
+
+def ship(topo: Topology, sizes: list[int], payloads: list, buffers=NO_REUSE) -> int:
+    """Leader: send every remote host the items' bytes (or why not); returns feature bytes sent."""
     import torch.distributed as dist
 
-    ranks = topo.remote_hosts[topo.hosts[topo.rank]]
-    group = topo.host_groups.get(topo.hosts[topo.rank])
-    sizes = torch.zeros(2, dtype=torch.int64)
+    messages, blob = frame(sizes, payloads, buffers)
+    if blob:
+        messages.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+    works = [dist.broadcast(m, 0, group=topo.links.get(h), async_op=True)
+             for h in topo.remote_hosts for m in messages]
+    for w in works:  # posted together: every host's transfers overlap
+        w.wait()
+    return sum(n for n, p in zip(sizes, payloads) if not isinstance(p, str)) * len(topo.remote_hosts)
+
+
+def receive(topo: Topology, sizes: list[int], buffers=NO_REUSE) -> list:
+    """Remote rank: per item its bytes (views into one buffer from ``buffers``) or the leader's
+    reason; received once per host and re-broadcast within it."""
+    import torch.distributed as dist
+
+    lay = layout(sizes)
+    host = topo.hosts[topo.rank]
+    ranks, group, link = topo.remote_hosts[host], topo.host_groups.get(host), topo.links.get(host)
+    buf = buffers.take(lay.total)
     if topo.rank == ranks[0]:
-        dist.recv(sizes, 0)
+        parts = [buf] if len(lay.slots) == 1 else [buf[a:b] for a, b in lay.slots]
+        for w in [dist.broadcast(p, 0, group=link, async_op=True) for p in parts]:
+            w.wait()
     if group is not None:
-        dist.broadcast(sizes, ranks[0], group=group)
-    head = torch.empty(int(sizes[0]), dtype=torch.uint8)
-    flat = torch.empty(int(sizes[1]), dtype=torch.uint8)
-    for buf in (head, flat):
-        if not buf.numel():
-            continue
+        dist.broadcast(buf, ranks[0], group=group)
+    blob = b""
+    if length := reasons_length(buf):  # only when an item failed on the leader
+        reasons = torch.empty(length, dtype=torch.uint8)
         if topo.rank == ranks[0]:
-            dist.recv(buf, 0)
+            dist.broadcast(reasons, 0, group=link)
         if group is not None:
-            dist.broadcast(buf, ranks[0], group=group)
-    return msgpack.unpackb(head.numpy().tobytes()), flat
-
-
-def fill(opened, keys: list[tuple[int, int]], header: list, flat: torch.Tensor) -> None:
-    """Remote rank: hand each forwarded feature its bytes (views into one received buffer)."""
-    pos = 0
-    for (i, j), entry in zip(keys, header):
-        if isinstance(entry, int):
-            opened[i][j].receive(flat[pos: pos + entry], None)
-            pos += _padded(entry)
-        else:
-            opened[i][j].receive(None, entry)
+            dist.broadcast(reasons, ranks[0], group=group)
+        blob = reasons.numpy().tobytes()
+    return unframe(lay, buf, blob)

@@ -34,7 +34,10 @@ class Shipper(Local):
         keys = remote.host_bound(reqs)
         if not keys:
             return
-        counters.bytes_forwarded += remote.ship(self.topo, keys, m.tensors, m.errors)
+        sizes = [reqs[i].items[j].nbytes for i, j in keys]
+        payloads = [m.tensors[i][j] if i not in m.errors and m.tensors[i]
+                    else m.errors.get(i, "aborted before it was read") for i, j in keys]
+        counters.bytes_forwarded += remote.ship(self.topo, sizes, payloads, self.transports.buffers)
         for i, j in keys:
             if reqs[i].items[j].transport == "cuda_ipc":  # remote ranks never touch the pool
                 self.transports.acknowledge(reqs[i].items[j], self.topo.remote_ranks, reqs[i].rid)
@@ -46,7 +49,9 @@ class Receiver(Local):
                    else open_local(it, r) for it in r.items] for r in reqs]
         keys = remote.host_bound(reqs)
         if keys:  # the leader's bytes, once per host
-            remote.fill(opened, keys, *remote.receive(self.topo))
+            got = remote.receive(self.topo, [reqs[i].items[j].nbytes for i, j in keys], self.transports.buffers)
+            for (i, j), bytes_or_reason in zip(keys, got):
+                opened[i][j].receive(bytes_or_reason)
         return opened
 
 

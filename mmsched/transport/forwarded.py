@@ -20,16 +20,18 @@ class ForwardedFeature(OpenedFeature):
         self._raw = None
         super().__init__(item, rid, faults)
 
-    def receive(self, raw: torch.Tensor | None, problem: str | None) -> None:
+    def receive(self, got: torch.Tensor | str) -> None:
+        """The item's bytes (a view into the batch's received buffer), or why the leader has none."""
         if self.error is None:
-            if raw is None:
-                self.error = FeatureError(f"not received from the leader's host ({problem})")
+            if isinstance(got, str):
+                self.error = FeatureError(f"not received from the leader's host ({got})")
             else:
-                self._raw = raw
+                self._raw = got
 
     def _read(self) -> torch.Tensor:
-        # A view into the batch's one received buffer; a feature a session may keep gets its own
-        # memory, or it would pin every forwarded byte of its batch past the session's bound.
+        # A view into the batch's one received buffer (reused for a later batch only once no view
+        # of it is alive: ``Buffers``); a feature a session may keep gets its own memory, or it
+        # would hold every forwarded byte of its batch, and that buffer, past the session's bound.
         raw = self._raw.clone() if self.item.id is not None else self._raw
         return typed(raw, self.item)
 
