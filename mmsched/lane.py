@@ -30,6 +30,7 @@ class Lane:
         self.busy_since: float | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._on_start = on_start
+        self.inside_call = False  # the thread is running a call (maybe stuck in gloo) right now
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -43,10 +44,13 @@ class Lane:
             fut, fn, args = job
             if not fut.set_running_or_notify_cancel():
                 continue
+            self.inside_call = True
             try:
                 fut.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
                 fut.set_exception(exc)
+            finally:
+                self.inside_call = False
 
     async def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
         """Run ``fn(*args)`` on the lane; GroupBroken if it raises or overruns the deadline."""

@@ -70,9 +70,10 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     except ConfigError as exc:  # found only when binding: a port in use, a socket path not writable
         event("config_error", logging.ERROR, error=str(exc))
         code = 2
-    if code != 0:
+    if code != 0 or lane.inside_call:  # a second signal leaves the lane inside its collective
         logging.shutdown()
-        os._exit(code)  # a lane thread may be stuck inside gloo: do not wait for it
+        os._exit(code)  # a lane thread may be stuck inside gloo: do not wait for it, nor close
+        # the process group under it (gloo then calls std::terminate: SIGABRT, a core dump)
     _ignore_late_signals()
     lane.close()
     group.close()

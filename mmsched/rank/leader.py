@@ -251,7 +251,8 @@ class Leader:
               queued=len(self.core.queue))
         self._carry(self.core.answer_inflight(INTERNAL, f"{why}; the request may not have run on every rank",
                                               failed_ranks=list(range(self.world)), stage="group"))
-        self._carry(self.core.ack_closes())
+        self._carry(self.core.answer_queued(UNAVAILABLE, f"service unavailable: {why}"))
+        self._carry(self.core.ack_closes())  # after the answers to the turns sent before each close
         deadline = time.monotonic() + 2.0  # linger, so clients that send now get a 503 rather than silence
         while True:
             self._carry(self.core.answer_queued(UNAVAILABLE, f"service unavailable: {why}"))

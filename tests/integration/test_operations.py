@@ -150,6 +150,42 @@ def test_health_turns_503_when_a_follower_is_killed(start_server):
     assert "group_broken" in srv.logs()
 
 
+def _recv_headers(sock, n: int, timeout_s: float = 30.0) -> list[dict]:
+    import msgpack
+    import zmq
+    out, deadline = [], time.monotonic() + timeout_s
+    while len(out) < n and sock.poll(max(1, int((deadline - time.monotonic()) * 1000))) & zmq.POLLIN:
+        out.append(msgpack.unpackb(sock.recv_multipart()[0], raw=False))
+    return out
+
+
+def test_when_the_group_breaks_a_close_is_acked_after_the_turns_sent_before_it(start_server):
+    """Outside attack: with the follower killed, the ack of a queued close_session left
+    before the 503 of the session's turn queued ahead of it (protocol.md: the ack comes
+    after the results of the requests sent before it)."""
+    import msgpack
+    import zmq
+    srv = start_server("--tp", "2", "--collective-timeout", "10", "--fault", "1:hold:held-*", "--stall-s", "4")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(srv.addr)
+    try:
+        sock.send(msgpack.packb({"v": 1, "type": "embed", "rid": "held-1", "input_ids": [1]}))
+        time.sleep(0.5)  # held-1's batch is now held on rank 1: what follows queues
+        turn = {"v": 1, "type": "embed", "rid": "turn-1", "input_ids": [1], "session_id": "S",
+                "mm_items": [{"modality": "image", "transport": "inline", "frame": 1, "dtype": "uint8",
+                              "shape": [4], "id": "f"}]}
+        sock.send_multipart([msgpack.packb(turn), b"abcd"])
+        sock.send(msgpack.packb({"v": 1, "type": "close_session", "session_id": "S"}))
+        time.sleep(0.3)
+        os.kill(launched_pids(srv)[1], signal.SIGKILL)
+        got = [(h.get("type"), h.get("rid") or h.get("session_id"), h.get("status")) for h in _recv_headers(sock, 3)]
+    finally:
+        sock.close(0)
+    assert got == [("result", "held-1", 500), ("result", "turn-1", 503), ("ack", "S", None)], got
+    assert srv.proc.wait(60) == 3, srv.logs()
+
+
 # ---------------------------------------------------------------- one scripted run, many checks
 
 
@@ -417,6 +453,30 @@ async def test_a_second_sigterm_stops_at_once_and_still_cleans_up(start_server):
     assert code == 0, srv.logs()
     assert "stop_now" in srv.logs()
     assert gone([s.name for _, s in queued])
+
+
+def test_a_second_sigterm_while_the_leader_waits_inside_a_collective_exits_cleanly(start_server):
+    """Outside attack: at tp=2 a second SIGTERM while the leader's lane waited inside a gloo
+    all-gather (rank 1 held its batch) closed the process group under it: gloo called
+    std::terminate, rank 0 died by SIGABRT and the launcher exited 250, not 3 (5 runs in 12)."""
+    import msgpack
+    import zmq
+    srv = start_server("--tp", "2", "--collective-timeout", "10", "--fault", "1:hold:held-*", "--stall-s", "3")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(srv.addr)
+    try:
+        sock.send(msgpack.packb({"v": 1, "type": "embed", "rid": "held-1", "input_ids": [1]}))
+        time.sleep(0.8)  # rank 1 holds held-1 for 3 s; the leader waits for it inside gloo
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.2)  # past the window in which a repeat counts as the same stop
+        srv.proc.send_signal(signal.SIGTERM)
+        got = _recv_headers(sock, 1)
+    finally:
+        sock.close(0)
+    assert [(h.get("rid"), h.get("status")) for h in got] == [("held-1", 503)], got
+    assert srv.proc.wait(60) == 3, srv.logs()[-3000:]
+    assert "codes=-6" not in srv.logs() and "terminate called" not in srv.logs(), srv.logs()[-3000:]
 
 
 def test_every_metric_and_logged_event_is_in_the_operations_doc(scripted):
