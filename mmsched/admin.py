@@ -8,8 +8,10 @@ The view it serves only needs ``health()`` and ``metrics.render()``.
 from __future__ import annotations
 
 import socket
+from typing import TYPE_CHECKING
 
-from aiohttp import web
+if TYPE_CHECKING:
+    from aiohttp import web
 
 from .errors import ConfigError
 from .log import event
@@ -42,6 +44,8 @@ class AdminServer:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
+        from aiohttp import web  # here: only a leader serving --admin pays for importing aiohttp
+
         host, port = parse_address(self.address)
         app = web.Application(client_max_size=8192)
         app.router.add_get("/health", self._health)
@@ -62,13 +66,16 @@ class AdminServer:
 
     async def _health(self, _request: web.Request) -> web.Response:
         ok, reason = self.view.health()
-        return _closing(web.Response(status=200 if ok else 503, text=reason + "\n"))
+        return _closing(status=200 if ok else 503, text=reason + "\n")
 
     async def _metrics(self, _request: web.Request) -> web.Response:
-        return _closing(web.Response(body=self.view.metrics.render(), headers={"Content-Type": METRICS_TYPE}))
+        return _closing(body=self.view.metrics.render(), headers={"Content-Type": METRICS_TYPE})
 
 
-def _closing(resp: web.Response) -> web.Response:
+def _closing(**response) -> web.Response:
     """No keep-alive, as before the move to aiohttp: a scrape is one request on one connection."""
+    from aiohttp import web
+
+    resp = web.Response(**response)
     resp.force_close()
     return resp

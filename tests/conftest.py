@@ -61,15 +61,25 @@ def _lock_holders(name: str) -> set[int]:
 
 def _foreign(name: str) -> bool:
     """A segment another run on this machine (a developer's server or client, a second
-    pytest) owns: its creator (``<prefix><pid>_...``) or a process holding its lock is alive
+    pytest, another xdist worker) owns: its creator (``<prefix><pid>_...``) or a process holding its lock is alive
     outside this test run. Neither flagged nor removed here. Segments of our own processes,
     dead ones included, are ours to account for."""
     if any(_outside_run(pid) for pid in _lock_holders(name)):
         return True
+    creator = _creator(name)
+    return creator is not None and _outside_run(creator)
+
+
+_NEW_NAME = re.compile(r"_(\d+)_(?:ring_)?[0-9a-f]+(?:\.\w+)?$")  # segments.new_name under any prefix
+
+
+def _creator(name: str) -> int | None:
+    """The pid in ``<prefix><pid>_...``: the default prefix, or a test's own (``mmsched_t1a2b_``)."""
     head = name[len(PREFIX):].split("_", 1)[0]
-    if not head.isdigit():
-        return False
-    return _outside_run(int(head))
+    if head.isdigit():
+        return int(head)
+    m = _NEW_NAME.search(name)
+    return int(m.group(1)) if m else None
 
 
 def _new_segments(before: set[str]) -> set[str]:

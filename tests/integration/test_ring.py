@@ -39,8 +39,11 @@ BIG = 2 * ringmod.SLOTS * ringmod.SLOT_BYTES + 12345  # spans the ring twice ove
 CTX = mp.get_context("fork")  # pure-Python readers: no torch state to re-import
 
 
+MINE = f"{PREFIX}{os.getpid()}_ring_test"  # what these tests sweep: their own rings, never another run's segments
+
+
 def _name() -> str:
-    return f"{PREFIX}{os.getpid()}_ring_test{time.monotonic_ns() % 10**9}"
+    return f"{MINE}{time.monotonic_ns() % 10**9}"
 
 
 def _reader(name: str, readers: int, index: int, count: int, out, stop_after: int | None = None) -> None:
@@ -140,7 +143,7 @@ def test_a_reader_whose_leader_died_breaks():
             p.join(10)
         # 3. the killed leader never unlinked its ring: the sweep reclaims it, as for any orphan
         assert os.path.exists(f"/dev/shm/{name}")
-        report = sweep(PREFIX, grace_s=0)
+        report = sweep(MINE, grace_s=0)
         assert name in report.reclaimed and not os.path.exists(f"/dev/shm/{name}")
 
 
@@ -148,7 +151,7 @@ def test_a_live_leaders_ring_is_locked_against_the_sweep():
     name = _name()
     w = Ring.create(name, readers=1, timeout_s=5)
     try:
-        report = sweep(PREFIX, grace_s=0)
+        report = sweep(MINE, grace_s=0)
         assert name in report.locked and os.path.exists(f"/dev/shm/{name}")
     finally:
         w.close()

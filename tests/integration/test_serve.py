@@ -15,7 +15,7 @@ import torch
 
 from mmsched.client import Client, raw, shm
 from mmsched.producers import create_segment
-from tests.conftest import sync_ping
+from tests.conftest import Server, sync_ping
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MMSCHED = os.path.join(os.path.dirname(sys.executable), "mmsched")
@@ -33,8 +33,21 @@ def assert_clean_log(text: str) -> None:
     assert "Traceback" not in text, text
 
 
-async def test_ping_through_the_client(shared_server):
-    async with Client(shared_server.addr) as c:
+@pytest.fixture(scope="module")
+def drilled(tmp_path_factory):
+    """(server, admin port): one tp=1 server with an admin port and two drills, shared by the
+    tests below that only ping it, read its log or its /health. The frontend-gone test removes
+    its socket file: after it, only tests that read the log may use it."""
+    from .test_operations import free_port
+
+    port = free_port()
+    with Server("--admin", str(port), "--fault", "0:open:zz-*", "--fault", "5:open:x-*",
+                tmp_dir=str(tmp_path_factory.mktemp("drilled"))) as srv:
+        yield srv, port
+
+
+async def test_ping_through_the_client(drilled):
+    async with Client(drilled[0].addr) as c:
         pong = await c.ping(timeout=10)
         assert pong["v"] == 1 and pong["type"] == "pong"
         assert pong["ranks"] == 1 and pong["healthy"] is True
@@ -166,13 +179,12 @@ def _serve(*args: str) -> subprocess.Popen:
                             text=True, env=clean_env(), start_new_session=True)
 
 
-def test_a_second_server_on_a_live_socket_is_refused_and_the_first_keeps_its_clients(start_server):
+def test_a_second_server_on_a_live_socket_is_refused_and_the_first_keeps_its_clients(drilled):
     """Issue 17 item 2: a second ``serve`` on the same ipc:// path took the socket from the first
     (and removed the file when it stopped), while the first still said "serving"."""
-    from .test_operations import free_port, http_get
+    from .test_operations import http_get
 
-    port = free_port()
-    first = start_server("--admin", str(port))
+    first, port = drilled
     second = _serve("--frontend", first.addr)
     try:
         _, err = second.communicate(timeout=60)
@@ -188,12 +200,12 @@ def test_a_second_server_on_a_live_socket_is_refused_and_the_first_keeps_its_cli
     assert "Traceback" not in err
 
 
-def test_health_says_the_frontend_is_gone_when_its_socket_file_is(start_server):
-    """Once nobody can connect (the socket file removed), /health must not say serving."""
-    from .test_operations import free_port, http_get
+def test_health_says_the_frontend_is_gone_when_its_socket_file_is(drilled):
+    """Once nobody can connect (the socket file removed), /health must not say serving.
+    Breaks the shared server's frontend: see ``drilled``."""
+    from .test_operations import http_get
 
-    port = free_port()
-    srv = start_server("--admin", str(port))
+    srv, port = drilled
     assert http_get(port, "/health")[0] == 200
     os.unlink(srv.addr[len("ipc://"):])
     status, body = http_get(port, "/health")
@@ -257,7 +269,7 @@ def test_start_up_errors_are_one_line_and_nothing_is_bound(tmp_path):
     assert not sock.exists()
 
 
-def test_a_server_with_drills_says_so_at_start_up(start_server):
+def test_a_server_with_drills_says_so_at_start_up(drilled):
     """Item 12: ``--fault 5:open:x`` on a one-rank server was accepted without a word."""
-    srv = start_server("--fault", "0:open:zz-*", "--fault", "5:open:x-*")
+    srv, _ = drilled
     assert "faults_active faults=0:open:zz-*,5:open:x-* stall_s=3.0 never_fire=5:open:x-*" in srv.logs(), srv.logs()
