@@ -77,6 +77,13 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     _ignore_late_signals()
     lane.close()
     group.close()
+    if world > 1:  # a launched rank: leave now, not through the interpreter's teardown, which
+        # destroys the engine's gloo group with its threads still joinable (std::terminate at
+        # exit: a tp=2 HF group's rank 1 exited -6 under load, the launcher 250)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 

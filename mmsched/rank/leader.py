@@ -206,15 +206,16 @@ class Leader:
     @contextlib.asynccontextmanager
     async def _services(self):
         """Receiving, the orphan sweep and the admin endpoint run beside the loop; closed after it."""
-        self.life.serve()
-        event("serving", frontend=self.cfg.frontend, ranks=self.world, max_batch=self.cfg.max_batch)
-        tasks = [asyncio.ensure_future(self.frontend.recv_from_clients(self._on_message, self._received)),
-                 asyncio.ensure_future(sweep_every(self.cfg.shm_prefix, self.cfg.sweep_grace, self.cfg.sweep_interval,
-                                                   self.core.segments, self._reclaimed))]
         admin = AdminServer(self.status, self.cfg.admin) if self.cfg.admin else None
+        tasks: list = []
         try:
-            if admin:
-                await admin.start()
+            if admin:  # listening before the first ping is answered: a client that saw a pong
+                await admin.start()  # can read /health (its start imports aiohttp: ~0.5 s)
+            self.life.serve()
+            event("serving", frontend=self.cfg.frontend, ranks=self.world, max_batch=self.cfg.max_batch)
+            tasks = [asyncio.ensure_future(self.frontend.recv_from_clients(self._on_message, self._received)),
+                     asyncio.ensure_future(sweep_every(self.cfg.shm_prefix, self.cfg.sweep_grace,
+                                                       self.cfg.sweep_interval, self.core.segments, self._reclaimed))]
             yield
         finally:
             if admin:
