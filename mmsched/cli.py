@@ -22,7 +22,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
         if name == "fault":
             p.add_argument(flag, action="append", metavar="RANK:STAGE:RID_GLOB", help=help)
         elif kind is bool:
-            p.add_argument(flag, action="store_const", const=True, default=None, help=help)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
             p.add_argument(flag, type=config_mod.parse_table if kind is dict else kind, metavar=name.upper(),
                            help=help, choices=choices)
