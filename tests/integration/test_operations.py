@@ -150,6 +150,20 @@ def test_health_turns_503_when_a_follower_is_killed(start_server):
     assert "group_broken" in srv.logs()
 
 
+def _held_group(start_server, stall_s: int):
+    """A tp=2 group whose rank 1 holds batch ``held-1`` for ``stall_s``, and a raw DEALER that
+    has sent it (the leader then waits for rank 1 inside the consensus all-gather)."""
+    import msgpack
+    import zmq
+    srv = start_server("--tp", "2", "--collective-timeout", "10", "--fault", "1:hold:held-*",
+                       "--stall-s", str(stall_s))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(srv.addr)
+    sock.send(msgpack.packb({"v": 1, "type": "embed", "rid": "held-1", "input_ids": [1]}))
+    return srv, sock
+
+
 def _recv_headers(sock, n: int, timeout_s: float = 30.0) -> list[dict]:
     import msgpack
     import zmq
@@ -164,13 +178,8 @@ def test_when_the_group_breaks_a_close_is_acked_after_the_turns_sent_before_it(s
     before the 503 of the session's turn queued ahead of it (protocol.md: the ack comes
     after the results of the requests sent before it)."""
     import msgpack
-    import zmq
-    srv = start_server("--tp", "2", "--collective-timeout", "10", "--fault", "1:hold:held-*", "--stall-s", "4")
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(srv.addr)
+    srv, sock = _held_group(start_server, 4)
     try:
-        sock.send(msgpack.packb({"v": 1, "type": "embed", "rid": "held-1", "input_ids": [1]}))
         time.sleep(0.5)  # held-1's batch is now held on rank 1: what follows queues
         turn = {"v": 1, "type": "embed", "rid": "turn-1", "input_ids": [1], "session_id": "S",
                 "mm_items": [{"modality": "image", "transport": "inline", "frame": 1, "dtype": "uint8",
@@ -459,14 +468,8 @@ def test_a_second_sigterm_while_the_leader_waits_inside_a_collective_exits_clean
     """Outside attack: at tp=2 a second SIGTERM while the leader's lane waited inside a gloo
     all-gather (rank 1 held its batch) closed the process group under it: gloo called
     std::terminate, rank 0 died by SIGABRT and the launcher exited 250, not 3 (5 runs in 12)."""
-    import msgpack
-    import zmq
-    srv = start_server("--tp", "2", "--collective-timeout", "10", "--fault", "1:hold:held-*", "--stall-s", "3")
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(srv.addr)
+    srv, sock = _held_group(start_server, 3)
     try:
-        sock.send(msgpack.packb({"v": 1, "type": "embed", "rid": "held-1", "input_ids": [1]}))
         time.sleep(0.8)  # rank 1 holds held-1 for 3 s; the leader waits for it inside gloo
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(1.2)  # past the window in which a repeat counts as the same stop
