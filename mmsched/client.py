@@ -168,15 +168,21 @@ class Client:
     async def ping(self, timeout: float | None = None) -> dict:
         fut = asyncio.get_running_loop().create_future()
         self._pongs.append(fut)
-        await self._sock.send_multipart([pack({"v": VERSION, "type": "ping"})])
-        return await asyncio.wait_for(fut, timeout or self.timeout)
+        return await self._exchange([pack({"v": VERSION, "type": "ping"})], fut, timeout)
 
     async def close_session(self, session_id: str, timeout: float | None = None) -> dict:
         fut = asyncio.get_running_loop().create_future()
         self._acks.setdefault(session_id, deque()).append(fut)
-        await self._sock.send_multipart([pack({"v": VERSION, "type": "close_session",
-                                               "session_id": session_id})])
-        return await asyncio.wait_for(fut, timeout or self.timeout)
+        return await self._exchange([pack({"v": VERSION, "type": "close_session", "session_id": session_id})],
+                                    fut, timeout)
+
+    async def _exchange(self, frames: list, fut: asyncio.Future, timeout: float | None) -> dict:
+        """Send, then wait for the reply, both under the one deadline: a DEALER with no peer
+        blocks in send (a server that refuses our CURVE key never becomes one)."""
+        async def both() -> dict:
+            await self._sock.send_multipart(frames)
+            return await fut
+        return await asyncio.wait_for(both(), timeout or self.timeout)
 
     # ------------------------------------------------------------ the reader
     async def _read(self) -> None:
