@@ -148,22 +148,21 @@ class Leader:
             self.runner.tidy()  # nothing to run, but idle pools are still checked
             return [], None
         if self.runner.faults or sum(r.feature_bytes for r in batch.requests) > self.INLINE_BYTES:
-            return await self._watched(asyncio.ensure_future(self._run_on_lane(batch)))
+            return await self._run_on_lane(batch)
         try:
             return self._lead(batch)
         except Exception as exc:  # as on the lane: a step that raises means we can no longer serve
             raise GroupBroken(f"batch step raised {describe(exc)}") from exc
 
     def _run_on_lane(self, batch: Batch) -> Coroutine:
-        """Queued on the lane at once (not when the caller next yields); awaited for the outcome."""
-        return self.lane.start(self._lead, batch)
+        """Queued on the lane at once (not when the caller next yields); awaited, the outcome
+        (None when a second signal cut it short)."""
+        return self._watched(asyncio.ensure_future(self.lane.start(self._lead, batch)))
 
     def _start(self, batch: Batch) -> Coroutine:
         """The batch's outcome, to await. With followers the batch is on the lane already
         (the loop may answer the last batch first); a group of one runs it when awaited."""
-        if self._overlap:
-            return self._watched(asyncio.ensure_future(self._run_on_lane(batch)))
-        return self._run_solo(batch)
+        return self._run_on_lane(batch) if self._overlap else self._run_solo(batch)
 
     async def _watched(self, step: asyncio.Future) -> Outcome | None:
         """The batch's outcome; None when a second signal cut it short."""
