@@ -18,7 +18,7 @@ from .protocol import Request
 from .protocol.batch import Batch
 from .remote import Topology
 from .sessions import Pending, SessionStore
-from .step.engine_step import engine_requests, run_engine
+from .step.engine_step import FlaggedGather, engine_requests, run_engine
 from .step.features import Materialized, agree, materialize, release
 from .step.forward import forwarding
 from .step.outcome import Gate, Ok, Outcome, decide, render
@@ -40,13 +40,14 @@ class BatchRunner:
 
     def __init__(self, group, engine: Engine, faults: Faults, unlinks: bool, sessions: SessionStore,
                  is_aborted=lambda req: False, topology: Topology | None = None, stall_s: float = 3.0,
-                 transports: Transports | None = None):
+                 transports: Transports | None = None, gather: FlaggedGather | None = None):
         self.group, self.engine, self.faults, self.stall_s = group, engine, faults, stall_s
         self.topology = topology or Topology.single()
         self.unlinks, self.sessions, self.is_aborted = unlinks, sessions, is_aborted
         self.counters = RankCounters()
         self.transports = transports or Transports(group.rank, group.world, faults)  # this rank's caches
         self.forwarding = forwarding(self.topology, self.transports)
+        self.gather = gather  # the engine's EngineContext.gather, when the engine was given it
         self._results = _render_all if group.rank == 0 else _no_results
         self._next_prune = 0.0
 
@@ -108,9 +109,9 @@ class BatchRunner:
             return "early" if i in early else ("late" if self.is_aborted(reqs[i]) else None)
 
         s = run_engine(self.group, self.engine, self.faults, self.stall_s,
-                       engine_requests(reqs, m.tensors, live), aborted)
+                       engine_requests(reqs, m.tensors, live), aborted, self.gather)
         self.counters.failures["engine"] += s.failures
-        return decide(gate, s.verdict, s.outputs, m.digests, early), s.agree_s
+        return decide(gate, s.verdict, s.outputs, m.digests, early, s.late), s.agree_s
 
     @staticmethod
     def _new_session_features(req: Request, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -131,7 +132,7 @@ class BatchRunner:
     def _keep(self, reqs: list[Request], m: Materialized, outcomes: list[Outcome]) -> None:
         """A session keeps the new features of its turns that succeeded; every turn touches it."""
         for req, tensors, outcome in zip(reqs, m.tensors, outcomes):
-            if isinstance(outcome, Ok):
+            if isinstance(outcome, Ok) or getattr(outcome, "agreed_ok", False):
                 new = self._new_session_features(req, tensors)
                 if new:
                     self.sessions.put(req.session_id, new)

@@ -2,8 +2,8 @@
 
 Each rank contributes one flag per request (0 ok, 1 failed here, 2 aborted — only the
 leader sets 2, so an abort is agreed like any failure). An optional ``extra`` tensor rides
-in the same all-gather (the engine's shards, digest prefixes), so agreeing costs nothing
-extra. So do the error strings: each rank appends a fixed tail of ``ERR_SLOTS`` slots of
+in the same all-gather as bytes (an engine's shards through ``EngineContext.gather``, digest
+prefixes), so agreeing costs nothing extra. So do the error strings: each rank appends a fixed tail of ``ERR_SLOTS`` slots of
 ``ERR_WIDTH`` bytes (UTF-8, cut with a marker), so a failure costs no second collective.
 The tail is the same size whatever failed (a size that depends on the failures would
 need a collective to agree on); only a rank with more than ``ERR_SLOTS`` failures in one
@@ -54,25 +54,36 @@ class Verdict:
 
 
 def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor | None = None) -> Verdict:
-    """One collective for the batch (two only when a rank failed more than ERR_SLOTS requests)."""
+    """One collective for the batch (two only when a rank failed more than ERR_SLOTS requests).
+
+    ``extra`` [n, ...] of any dtype rides along as bytes; the verdict's is [world, n, k]."""
     n = len(flags)
-    dtype = extra.dtype if extra is not None else torch.int64
-    local = torch.from_numpy(np.ascontiguousarray(flags, dtype=np.int64)).to(dtype).reshape(n, 1)
+    parts = [torch.from_numpy(np.ascontiguousarray(flags, dtype=np.int64)).view(torch.uint8)]
     if extra is not None:
-        local = torch.cat([local, extra.reshape(n, -1)], dim=1)
-    head = local.contiguous().view(torch.uint8).reshape(-1)
-    gathered = group.all_gather(torch.cat([head, torch.from_numpy(_tail(errors))]))
-    world, cols = gathered.shape[0], local.shape[1]
-    table = gathered[:, : head.numel()].contiguous().view(dtype).reshape(world, n, cols)
-    all_flags = table[:, :, 0].to(torch.int64).numpy()
-    tails = gathered[:, head.numel():].numpy()
+        parts.append(extra.contiguous().reshape(-1).view(torch.uint8))
+    parts.append(torch.from_numpy(_tail(errors)))
+    gathered = group.all_gather(torch.cat(parts))
+    world, head = gathered.shape[0], 8 * n
+    all_flags = gathered[:, :head].contiguous().view(torch.int64).numpy()
+    table = None
+    if extra is not None:
+        table = _as(gathered[:, head: head + parts[1].numel()], extra.dtype).reshape(world, n, -1)
+    tails = gathered[:, head + (parts[1].numel() if extra is not None else 0):].numpy()
     all_errors = None
     if (all_flags == FAILED).any():
         if any(int(t[:4].view(np.int32)[0]) > ERR_SLOTS for t in tails):
             all_errors = group.all_gather_object({i: clip(e) for i, e in errors.items()})
         else:
             all_errors = [_read_tail(t) for t in tails]
-    return Verdict(all_flags, all_errors, table[:, :, 1:] if extra is not None else None)
+    return Verdict(all_flags, all_errors, table)
+
+
+def _as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered bytes [world, k] as ``dtype``: a view where their offset allows it, else a copy."""
+    raw = raw.contiguous()  # a copy at world > 1 (the rows are apart), a view at world 1
+    if raw.storage_offset() % torch.empty(0, dtype=dtype).element_size():
+        raw = raw.clone()
+    return raw.view(dtype)
 
 
 def clip(text: str) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Mapping, Protocol
 
 import numpy as np
 import torch
@@ -26,6 +26,12 @@ class EngineContext:
     group: "torch.distributed.ProcessGroup | None"  # the engine's own gloo group over all ranks; None at world 1
     seed: int                 # cfg.seed
     options: dict             # cfg.engine_options: the [engine_options] table, passed through
+    # The runner's all-gather, for an engine whose step has one cross-rank gather anyway:
+    # ``gather(local, failed)`` with ``local`` [n, ...] (one row per request of the step) and
+    # ``failed`` {request index: exception} returns every rank's ``local`` as [world, n, ...],
+    # and the runner's agreement on failures and aborts rides in it, so the step costs no
+    # collective of its own (docs/engines.md). None where the runner gives none (tests).
+    gather: "Callable[[torch.Tensor, Mapping[int, BaseException] | None], torch.Tensor] | None" = None
 
 
 @dataclass

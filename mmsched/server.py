@@ -35,6 +35,7 @@ from .log import event
 from .rank import Follower, Leader
 from .remote import Topology
 from .sessions import SessionStore
+from .step.engine_step import FlaggedGather
 from .transport import Transports
 
 
@@ -52,8 +53,10 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         event("group_init_failed", logging.ERROR, error=describe(exc))
         return 3
     _announce(cfg, rank, world, topology)
+    faults = Faults(cfg.faults, rank)
+    gather = FlaggedGather(group, faults, cfg.stall_s)  # the engine's gather, the agreement in it
     try:
-        engine = start_engine(cfg, group)
+        engine = start_engine(cfg, group, gather)
     except ConfigError as exc:
         event("config_error", logging.ERROR, error=str(exc))
         return 2
@@ -61,10 +64,10 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         event("group_init_failed", logging.ERROR, error=describe(exc))
         return 3
     lane = make_lane(cfg)
-    faults = Faults(cfg.faults, rank)
     runner = BatchRunner(group, engine, faults, unlinks=(rank == 0),
                          sessions=SessionStore(cfg.session_max_bytes, cfg.session_max_count, cfg.session_max_features),
-                         topology=topology, stall_s=cfg.stall_s, transports=Transports(rank, world, faults))
+                         topology=topology, stall_s=cfg.stall_s, transports=Transports(rank, world, faults),
+                         gather=gather)
     try:
         code = _run_loop(cfg, runner, lane, rank, world)
     except ConfigError as exc:  # found only when binding: a port in use, a socket path not writable
@@ -123,7 +126,7 @@ def _announce(cfg: Config, rank: int, world: int, topology: Topology) -> None:
               **({"never_fire": ",".join(idle)} if idle else {}))
 
 
-def start_engine(cfg: Config, group):
+def start_engine(cfg: Config, group, gather: FlaggedGather | None = None):
     """The engine of ``cfg.engine`` with its own process group over all ranks (gloo; None at
     world 1). Whether every rank built it is agreed (one collective at start), so a factory
     that fails on one rank stops them all with exit 2 rather than leaving the others waiting."""
@@ -131,7 +134,7 @@ def start_engine(cfg: Config, group):
     engine_group = None if world == 1 else dist.new_group(
         list(range(world)), backend="gloo", timeout=timedelta(seconds=cfg.collective_timeout))
     ctx = EngineContext(rank=group.rank, world=world, group=engine_group, seed=cfg.seed,
-                        options=dict(cfg.engine_options))
+                        options=dict(cfg.engine_options), gather=gather)
     engine, problem = None, None
     t0 = time.monotonic()
     event("engine_loading", engine=cfg.engine)  # a factory may load weights for minutes: say so

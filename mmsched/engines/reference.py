@@ -31,7 +31,7 @@ class ReferenceEngine:
         self.shard = shards[ctx.rank].contiguous()
         self.widths = [s.shape[1] for s in shards]
         self.width = max(self.widths)
-        self.rank, self.world, self.group = ctx.rank, ctx.world, ctx.group
+        self.rank, self.world, self.group, self.flagged = ctx.rank, ctx.world, ctx.group, ctx.gather
 
     def encode(self, req: EngineRequest) -> np.ndarray:
         """Input ids and feature bytes → one D_IN vector (numpy: no torch dispatch per small op)."""
@@ -97,19 +97,26 @@ class ReferenceEngine:
         failed = self.encode_batch(requests, x.numpy()) if n else {}  # rows filled through numpy
         local = torch.zeros(n, self.width, dtype=torch.float64)
         local[:, : self.shard.shape[1]] = x @ self.shard
-        hidden = self._gather(local)
+        hidden = self._gather(local, failed)
         if self.rank != 0:  # only rank 0's outputs are sent: the others do not render theirs
             return [failed.get(i, {}) for i in range(n)]
         return self._outputs(requests, hidden.numpy(), failed)
 
-    def _gather(self, local: torch.Tensor) -> torch.Tensor:
-        """Every rank's shard of every row, side by side: [n, HIDDEN]."""
-        if self.world == 1:
+    def _gather(self, local: torch.Tensor, failed: dict[int, Exception]) -> torch.Tensor:
+        """Every rank's shard of every row, side by side: [n, HIDDEN]. Through the runner's
+        gather where it is given (its agreement rides along: no collective of the runner's
+        own), telling it which rows failed here."""
+        if self.flagged is not None:
+            parts = self.flagged(local, failed)
+        elif self.world == 1:
             return local[:, : self.widths[0]]
-        out = torch.empty((self.world * local.shape[0], self.width), dtype=local.dtype)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        gather(out, local, group=self.group)
-        parts = out.view(self.world, local.shape[0], self.width)
+        else:
+            out = torch.empty((self.world * local.shape[0], self.width), dtype=local.dtype)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
+            gather(out, local, group=self.group)
+            parts = out.view(self.world, local.shape[0], self.width)
+        if self.world == 1:
+            return parts[0, :, : self.widths[0]]
         return torch.cat([parts[r, :, :w] for r, w in enumerate(self.widths)], dim=1)
 
     def _outputs(self, requests: list[EngineRequest], rows: np.ndarray, failed: dict) -> list[dict | Exception]:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import msgpack
 import numpy as np
+import torch
 
 from .. import consensus
 from ..engine import Engine, EngineRequest
-from ..errors import InjectedFault, describe
+from ..errors import GroupBroken, InjectedFault, describe
 from ..faults import Faults
 from ..protocol import Request
 
@@ -57,22 +58,63 @@ def call(engine: Engine, requests: list[EngineRequest]) -> list:
         if not isinstance(outs, list) or len(outs) != len(requests):
             raise TypeError(f"engine step returned {type(outs).__name__} of {len(outs) if hasattr(outs, '__len__') else '?'}"
                             f" entries for {len(requests)} requests")
+    except GroupBroken:
+        raise  # a collective inside the step (EngineContext.gather) found the group gone
     except Exception as exc:  # noqa: BLE001 - the engine's failure, this rank's only
         return [exc] * len(requests)
     return [o if isinstance(o, Exception) else _sendable(o) if isinstance(o, dict)
             else TypeError(f"engine returned {type(o).__name__}, not a map") for o in outs]
 
 
-def local_flags(requests: list[EngineRequest], outs: list, faults: Faults) -> tuple[np.ndarray, dict[int, str]]:
-    """This rank's flag per request (FAILED where it failed or an ``engine`` drill hits)."""
+def local_flags(requests: list[EngineRequest], failures: dict[int, BaseException], faults: Faults,
+                aborted: Callable[[int], str | None]) -> tuple[np.ndarray, dict[int, str]]:
+    """This rank's flag per request: FAILED where it failed here or an ``engine`` drill hits,
+    ABORTED where the leader saw an abort ("early" wins over a failure, "late" does not)."""
     flags = np.zeros(len(requests), dtype=np.int64)
     errors: dict[int, str] = {}
-    for j, (req, out) in enumerate(zip(requests, outs)):
-        if faults.hit("engine", req.rid):
-            out = InjectedFault(f"injected engine fault on rank {faults.rank}")
-        if isinstance(out, Exception):
+    for j, req in enumerate(requests):
+        out = InjectedFault(f"injected engine fault on rank {faults.rank}") if faults.hit("engine", req.rid) \
+            else failures.get(j)
+        if out is not None:
             flags[j], errors[j] = consensus.FAILED, describe(out)
+        why = aborted(j)
+        if why == "early" or (why and not flags[j]):
+            flags[j] = consensus.ABORTED
+            errors.pop(j, None)
     return flags, errors
+
+
+class FlaggedGather:
+    """``EngineContext.gather``: the engine's all-gather, with the runner's agreement in it.
+
+    Armed for one step; each call gathers the engine's rows together with this rank's
+    flags as known then (the failures the engine names, the drills, the leader's aborts).
+    The last call's verdict is the step's: the separate agreement is skipped. A step that
+    makes no call is agreed after it, as for any engine."""
+
+    def __init__(self, group, faults: Faults, stall_s: float):
+        self.group, self.faults, self.stall_s = group, faults, stall_s
+        self._step: tuple | None = None
+        self.verdict: consensus.Verdict | None = None
+
+    def arm(self, requests: list[EngineRequest], aborted: Callable[[int], str | None]) -> None:
+        self._step, self.verdict = (requests, aborted), None
+
+    def disarm(self) -> consensus.Verdict | None:
+        self._step = None
+        return self.verdict
+
+    def __call__(self, local: torch.Tensor, failed: Mapping[int, BaseException] | None = None) -> torch.Tensor:
+        if self._step is None:
+            raise RuntimeError("EngineContext.gather is a collective of the step: call it inside step() only")
+        requests, aborted = self._step
+        if local.dim() == 0 or local.shape[0] != len(requests):
+            raise ValueError(f"gather: {tuple(local.shape)} is not one row per request ({len(requests)})")
+        if self.verdict is None and any(self.faults.hit("stall", r.rid) for r in requests):
+            time.sleep(self.stall_s)  # a drill: this rank holds its peers inside the gather
+        flags, errors = local_flags(requests, dict(failed or {}), self.faults, aborted)
+        self.verdict = consensus.agree(self.group, flags, errors, extra=local)
+        return self.verdict.extra.reshape(self.group.world, *local.shape)
 
 
 @dataclass
@@ -80,26 +122,36 @@ class Stepped:
     verdict: consensus.Verdict  # over the requests given to the engine
     outputs: list               # per request: its output map where the verdict is ok, else None
     failures: int               # requests that failed on this rank
-    agree_s: float              # seconds of the agreement
+    agree_s: float | None       # seconds of the agreement (None: it rode in the engine's gather)
+    late: dict[int, str]        # the leader's failures after the engine's last gather: 500s of rank 0
 
 
 def run_engine(group, engine: Engine, faults: Faults, stall_s: float, requests: list[EngineRequest],
-               aborted: Callable[[int], str | None]) -> Stepped:
+               aborted: Callable[[int], str | None], gather: FlaggedGather | None = None) -> Stepped:
     """Step, drills, late aborts, agreement.
 
     ``aborted(j)`` is the leader's word on request j, asked right before the agreement so an
     abort that arrived during the step counts: "early" (seen before a step that skipped the
-    materialization consensus; wins over a failure), "late", or None."""
-    outs = call(engine, requests)
-    flags, errors = local_flags(requests, outs, faults)
+    materialization consensus; wins over a failure), "late", or None. Where the engine
+    gathered through ``gather``, its last call carried the agreement; a failure that came
+    after it is a 500 of the leader alone (a follower's outputs are never sent), and the
+    verdict every rank keeps sessions by stays the agreed one."""
+    if gather is not None:
+        gather.arm(requests, aborted)
+    try:
+        outs = call(engine, requests)
+    finally:
+        verdict = gather.disarm() if gather is not None else None
+    failures = {j: o for j, o in enumerate(outs) if isinstance(o, Exception)}
+    if verdict is not None:
+        late = {j: f"rank 0: {describe(o)}" for j, o in failures.items() if verdict.ok(j)} if group.rank == 0 else {}
+        mine = int((verdict.flags[group.rank] == consensus.FAILED).sum()) + len(late)
+        return Stepped(verdict, [o if verdict.ok(j) and j not in late else None for j, o in enumerate(outs)],
+                       mine, None, late)
     if any(faults.hit("stall", r.rid) for r in requests):
         time.sleep(stall_s)  # a drill: this rank holds its peers inside the agreement
-    for j in range(len(requests)):
-        why = aborted(j)
-        if why == "early" or (why and not flags[j]):
-            flags[j] = consensus.ABORTED
-            errors.pop(j, None)
+    flags, errors = local_flags(requests, failures, faults, aborted)  # aborts read after the stall
     t0 = time.perf_counter()
     verdict = consensus.agree(group, flags, errors)
     return Stepped(verdict, [o if verdict.ok(j) else None for j, o in enumerate(outs)],
-                   int((flags == consensus.FAILED).sum()), time.perf_counter() - t0)
+                   int((flags == consensus.FAILED).sum()), time.perf_counter() - t0, {})

@@ -33,6 +33,8 @@ class Failed:
     stage: str
     ranks: list[int]
     detail: str  # "rank 1: Type: message; ..." — every failed rank, once
+    agreed_ok: bool = False  # every rank agreed it ran (the leader failed it after the engine's
+    # last gather): sessions keep its features on every rank, so they stay the same everywhere
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +78,12 @@ def _before_engine(gate: Gate, i: int) -> Outcome | None:
 
 
 def decide(gate: Gate, engine: Verdict | None, outputs: list, digests: list[list[str] | None],
-           early_aborts: frozenset[int] = frozenset()) -> list[Outcome]:
-    """One outcome per request. ``engine`` and ``outputs`` are indexed by survivor (see
-    ``Gate.survivors``); ``early_aborts`` are the requests the leader saw aborted before a
+           early_aborts: frozenset[int] = frozenset(), late: dict[int, str] | None = None) -> list[Outcome]:
+    """One outcome per request. ``engine``, ``outputs`` and ``late`` are indexed by survivor
+    (see ``Gate.survivors``); ``early_aborts`` are the requests the leader saw aborted before a
     step that skipped the materialization consensus (agreed after the step, still reported
-    as stage "materialize")."""
+    as stage "materialize"); ``late``, the leader's failures after the engine's last gather."""
+    late = late or {}
     out: list[Outcome] = []
     j = 0
     for i in range(gate.n):
@@ -92,6 +95,8 @@ def decide(gate: Gate, engine: Verdict | None, outputs: list, digests: list[list
             out.append(Aborted(MATERIALIZE if i in early_aborts else ENGINE))
         elif not engine.ok(j):
             out.append(Failed(ENGINE, engine.failed_ranks(j), engine.message(j)))
+        elif j in late:
+            out.append(Failed(ENGINE, [0], late[j], agreed_ok=True))
         else:
             out.append(Ok(outputs[j], digests[i]))
         j += 1

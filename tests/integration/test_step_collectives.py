@@ -2,9 +2,11 @@
 running ``BatchRunner`` with the reference engine, every collective counted.
 
 Before the engine plug-in a text-only batch paid three: the batch broadcast, the
-consensus all-gather and the engine's all-gather (the flags rode in it). The runner now
-agrees engine failures itself, after the step; a batch without feature items pays for
-that by skipping the materialization consensus, so it still pays three.
+consensus all-gather and the engine's all-gather (the flags rode in it). The plug-in split
+made the runner agree engine failures itself, after the step. Now the reference engine
+gathers through ``EngineContext.gather``, which carries that agreement, and a batch
+without feature items skips the materialization consensus: a text-only batch pays two
+(the broadcast and one all-gather), a batch with a feature three.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import socket
 
 import numpy as np
 
-TODAY_TEXT_ONLY = 3  # broadcast + consensus all-gather + engine all-gather, on main before the split
+TEXT_ONLY = 2  # the broadcast + the engine's gather carrying the agreement (3 before EngineContext.gather)
 
 
 def _free_port() -> int:
@@ -68,10 +70,13 @@ def _rank(rank: int, port: int, out) -> None:
     from mmsched.group import GlooGroup
     from mmsched.server import start_engine
     from mmsched.sessions import SessionStore
+    from mmsched.step.engine_step import FlaggedGather
 
     group = GlooGroup(rank, 2, "env://", 60.0)
-    engine = start_engine(Config(), group)
     counts: dict = {}
+    counting = CountingGroup(group, counts)
+    gather = FlaggedGather(counting, NO_FAULTS, 0.0)
+    engine = start_engine(Config(), group, gather)
     for name in ("all_gather_into_tensor", "all_gather_single", "all_reduce", "broadcast", "all_gather"):
         real = getattr(dist, name, None)
         if real is not None:  # the engine's own collectives: those on its process group
@@ -80,8 +85,8 @@ def _rank(rank: int, port: int, out) -> None:
                     counts[f"engine.{_name}"] = counts.get(f"engine.{_name}", 0) + 1
                 return _real(*a, **kw)
             setattr(dist, name, counted)
-    runner = BatchRunner(CountingGroup(group, counts), engine, NO_FAULTS, unlinks=rank == 0,
-                         sessions=SessionStore(1 << 20, 16, 16))
+    runner = BatchRunner(counting, engine, NO_FAULTS, unlinks=rank == 0,
+                         sessions=SessionStore(1 << 20, 16, 16), gather=gather)
     report = {}
     for kind, batch in _batches().items():
         counts.clear()
@@ -92,7 +97,7 @@ def _rank(rank: int, port: int, out) -> None:
     group.close()
 
 
-def test_a_text_only_batch_pays_no_more_collectives_than_before():
+def test_a_text_only_batch_pays_one_all_gather_the_agreement_riding_in_the_engines():
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
@@ -108,11 +113,9 @@ def test_a_text_only_batch_pays_no_more_collectives_than_before():
                 p.kill()
     for rank, report in reports.items():
         total, counts, _ = report["text"]
-        assert total == TODAY_TEXT_ONLY, (rank, counts)
-        assert counts == {"broadcast": 1, "all_gather": 1, "engine.all_gather_into_tensor": 1} or \
-            counts == {"broadcast": 1, "all_gather": 1, "engine.all_gather_single": 1}, (rank, counts)
+        assert total == TEXT_ONLY and counts == {"broadcast": 1, "all_gather": 1}, (rank, counts)
         total, counts, _ = report["feature"]  # a feature can fail to materialize: one consensus more
-        assert total == TODAY_TEXT_ONLY + 1, (rank, counts)
+        assert total == TEXT_ONLY + 1 and counts == {"broadcast": 1, "all_gather": 2}, (rank, counts)
     leader = reports[0]
     assert [s for s, _ in leader["text"][2]] == [200, 200]
     assert [s for s, _ in leader["feature"][2]] == [200, 200]

@@ -60,7 +60,7 @@ def new_step(ranks: list[ReferenceEngine], requests: list[EngineRequest]) -> lis
     """Each rank's real ``step``, its all-gather replaced by the shards the others computed."""
     shards = []
     for e in reversed(ranks):  # followers first: rank 0 renders once it has every shard
-        def gather(local, e=e):
+        def gather(local, failed, e=e):
             shards.insert(0, local[:, : e.shard.shape[1]].clone())
             return torch.cat(shards, dim=1)
         e._gather = gather

@@ -212,3 +212,84 @@ def test_a_result_that_cannot_be_encoded_is_a_500_not_the_end_of_the_loop():
     sent = msgpack.unpackb(_packed(result("r1", OK, output={"o": {1, 2}})), raw=False)
     assert (sent["rid"], sent["status"]) == ("r1", 500)
     assert sent["message"].startswith("result could not be encoded: TypeError")
+
+
+# ---------------------------------------------------------------- EngineContext.gather: the agreement rides in it
+
+class CountingSolo(SoloGroup):
+    def __init__(self):
+        self.calls = 0
+
+    def all_gather(self, t):
+        self.calls += 1
+        return super().all_gather(t)
+
+    def all_gather_object(self, obj):
+        self.calls += 1
+        return super().all_gather_object(obj)
+
+
+class Gathering:
+    """An engine whose step has one gather, as a tensor-parallel model's does: it names the
+    rows it failed in the gather, and may fail one more after it (``after``)."""
+
+    def __init__(self, gather, failed=None, after=None):
+        self.gather, self.failed, self.after, self.gathered = gather, failed or {}, after or {}, None
+
+    def step(self, reqs):
+        import torch
+
+        local = torch.arange(len(reqs) * 2, dtype=torch.float64).reshape(len(reqs), 2)
+        self.gathered = self.gather(local, self.failed)
+        return [self.failed.get(j) or self.after.get(j) or {"o": float(self.gathered[0, j, 1])}
+                for j in range(len(reqs))]
+
+
+def gathered_step(engine_of, rids=("a", "b", "c"), faults=NO_FAULTS, aborted=lambda j: None):
+    from mmsched.step.engine_step import FlaggedGather
+
+    group = CountingSolo()
+    gather = FlaggedGather(group, faults, 0.0)
+    engine = engine_of(gather)
+    s = run_engine(group, engine, faults, 0.0, requests(*rids), aborted, gather)
+    return s, group.calls, engine
+
+
+def test_an_engine_that_gathers_through_the_context_pays_no_agreement_of_its_own():
+    s, calls, engine = gathered_step(lambda g: Gathering(g, failed={1: ValueError("bad row")}))
+    assert calls == 1, "the engine's gather is the only collective: the agreement rode in it"
+    assert tuple(engine.gathered.shape) == (1, 3, 2) and engine.gathered[0, 2, 1] == 5.0  # its rows, intact
+    assert [s.verdict.ok(j) for j in range(3)] == [True, False, True]
+    assert s.verdict.message(1) == "rank 0: ValueError: bad row"
+    assert s.outputs == [{"o": 1.0}, None, {"o": 5.0}] and s.agree_s is None and s.failures == 1
+
+
+def test_drills_and_aborts_ride_in_the_engines_gather():
+    s, calls, _ = gathered_step(Gathering, faults=Faults([Fault.parse("0:engine:b")], 0),
+                                aborted=lambda j: "late" if j == 2 else None)
+    assert calls == 1
+    assert s.verdict.message(1) == "rank 0: InjectedFault: injected engine fault on rank 0"
+    assert s.verdict.aborted(2) and s.outputs == [{"o": 1.0}, None, None]
+
+
+def test_a_failure_after_the_engines_gather_is_a_500_of_rank_0_and_the_session_still_agrees():
+    s, _, _ = gathered_step(lambda g: Gathering(g, after={0: RuntimeError("late")}))
+    assert s.verdict.ok(0), "every rank agreed it ran: sessions keep it everywhere"
+    assert s.late == {0: "rank 0: RuntimeError: late"} and s.outputs[0] is None and s.failures == 1
+    [first, second] = decide(Gate(2, None, {}, [[], []]), s.verdict, s.outputs, [None, None], late=s.late)[:2]
+    assert first == Failed(ENGINE, [0], "rank 0: RuntimeError: late", agreed_ok=True) and isinstance(second, Ok)
+    assert render("a", first, 2)["message"] == "Engine step failed (rank 0: RuntimeError: late)"
+
+
+def test_a_step_that_does_not_gather_is_agreed_after_it_and_the_gather_refuses_misuse():
+    import torch
+
+    s, calls, _ = gathered_step(lambda g: Engine([{"o": 1}, ValueError("x"), {"o": 3}]))
+    assert calls == 1 and s.agree_s is not None and s.verdict.message(1) == "rank 0: ValueError: x"
+    from mmsched.step.engine_step import FlaggedGather
+
+    gather = FlaggedGather(SoloGroup(), NO_FAULTS, 0.0)
+    with pytest.raises(RuntimeError, match="inside step"):
+        gather(torch.zeros(1, 1))
+    s, _, _ = gathered_step(lambda g: Gathering(lambda local, failed: g(local[:1], failed)))
+    assert not any(s.verdict.ok(j) for j in range(3)) and "not one row per request" in s.verdict.message(0)
