@@ -36,6 +36,7 @@ from .rank import Follower, Leader
 from .remote import Topology
 from .sessions import SessionStore
 from .step.engine_step import FlaggedGather
+from .timeslice import request_slice
 from .transport import Transports
 
 
@@ -99,6 +100,9 @@ def _prepare_process(cfg: Config, rank: int) -> None:
     """Logging, torch threads, signals (followers leave the decision to the leader), the launcher's death."""
     log.setup(rank, cfg.log_format, cfg.log_level)
     torch.set_num_threads(cfg.torch_threads)
+    refused = request_slice(cfg.sched_slice_us)  # before any thread of ours or gloo's: they inherit it
+    if refused:
+        event("sched_slice_refused", logging.WARNING, slice_us=cfg.sched_slice_us, reason=refused)
     if rank > 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
