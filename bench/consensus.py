@@ -3,7 +3,7 @@
     .venv/bin/python bench/consensus.py [--tp 2,4] [--batches 1,8,64] [--budget 0.6] [--json FILE]
 
 For each group size a real gloo process group is spawned (127.0.0.1, one torch thread per
-rank, built with ``mmsched.group.GlooGroup``). For each batch size both approaches agree
+rank, the scheduler slice a rank asks for, built with ``mmsched.group.GlooGroup``). For each batch size both approaches agree
 the same flags:
 
 - reference: ``consensus.agree_per_request`` — one ``all_gather_object`` per request;
@@ -54,7 +54,11 @@ def _worker(rank: int, world: int, port: int, batches: list[int], budget: float,
 
     torch.set_num_threads(1)
     from mmsched import consensus
+    from mmsched.config import Config
     from mmsched.group import GlooGroup
+    from mmsched.timeslice import request_slice
+
+    request_slice(Config().sched_slice_us)  # as a rank does, before gloo starts its threads
 
     group = GlooGroup(rank, world, f"tcp://127.0.0.1:{port}", timeout_s=60)
     barrier = torch.zeros(1, 1, dtype=torch.int64)
