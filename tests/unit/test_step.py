@@ -97,6 +97,19 @@ class Engine:
         return self.outs if self.outs is not None else [{"ok": r.rid} for r in reqs]
 
 
+class CountingSolo(SoloGroup):
+    def __init__(self):
+        self.calls = 0
+
+    def all_gather(self, t):
+        self.calls += 1
+        return super().all_gather(t)
+
+    def all_gather_object(self, obj):
+        self.calls += 1
+        return super().all_gather_object(obj)
+
+
 def step(engine, rids=("a", "b", "c"), faults=NO_FAULTS, aborted=lambda j: None):
     return run_engine(SoloGroup(), engine, faults, 0.0, requests(*rids), aborted)
 
@@ -138,21 +151,11 @@ def test_late_aborts_are_agreed_after_the_step_and_an_early_one_wins_over_a_fail
 
 
 def test_the_agreement_is_one_collective_failures_included():
-    class Counting(SoloGroup):
-        calls = 0
-
-        def all_gather(self, t):
-            Counting.calls += 1
-            return super().all_gather(t)
-
-        def all_gather_object(self, obj):
-            Counting.calls += 1
-            return super().all_gather_object(obj)
-
-    run_engine(Counting(), Engine(), NO_FAULTS, 0.0, requests("a"), lambda j: None)
-    assert Counting.calls == 1
-    run_engine(Counting(), Engine([ValueError("x")]), NO_FAULTS, 0.0, requests("a"), lambda j: None)
-    assert Counting.calls == 2  # the error string rides in the flags' all-gather
+    group = CountingSolo()
+    run_engine(group, Engine(), NO_FAULTS, 0.0, requests("a"), lambda j: None)
+    assert group.calls == 1
+    run_engine(group, Engine([ValueError("x")]), NO_FAULTS, 0.0, requests("a"), lambda j: None)
+    assert group.calls == 2  # the error string rides in the flags' all-gather
 
 
 # ---------------------------------------------------------------- what a plug-in engine can get wrong
@@ -215,19 +218,6 @@ def test_a_result_that_cannot_be_encoded_is_a_500_not_the_end_of_the_loop():
 
 
 # ---------------------------------------------------------------- EngineContext.gather: the agreement rides in it
-
-class CountingSolo(SoloGroup):
-    def __init__(self):
-        self.calls = 0
-
-    def all_gather(self, t):
-        self.calls += 1
-        return super().all_gather(t)
-
-    def all_gather_object(self, obj):
-        self.calls += 1
-        return super().all_gather_object(obj)
-
 
 class Gathering:
     """An engine whose step has one gather, as a tensor-parallel model's does: it names the
