@@ -44,10 +44,14 @@ class Lane:
             fut, fn, args = job
             if not fut.set_running_or_notify_cancel():
                 continue
+            if self.broken:  # a call queued behind the one that broke the group never runs
+                fut.set_exception(GroupBroken(self.broken))
+                continue
             self.inside_call = True
             try:
                 fut.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                self.broken = self.broken or f"collective {getattr(fn, '__name__', fn)} raised {describe(exc)}"
                 fut.set_exception(exc)
             finally:
                 self.inside_call = False

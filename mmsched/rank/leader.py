@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from typing import Coroutine
 
 from .. import protocol
@@ -35,6 +36,7 @@ class Leader:
     """Receives from clients, batches, and answers each request exactly once."""
 
     INLINE_BYTES = 1 << 20  # feature bytes a batch may copy and still run on the loop (~1 ms)
+    LANE_AHEAD = 2          # batches started on the lane at once (tp > 1, while work is waiting)
 
     def __init__(self, cfg: Config, runner: BatchRunner, lane: Lane, world: int):
         self.cfg, self.runner, self.lane, self.world = cfg, runner, lane, world
@@ -54,26 +56,31 @@ class Leader:
     async def serve(self) -> int:
         """The leader's loop: take, run on every rank, answer — until drained or broken.
 
-        With followers, batch k+1 starts on the lane before batch k is answered when work
-        is already waiting: answering (encode, send, release) overlaps the next batch's
-        collectives instead of leaving the lane idle."""
+        With followers, while work is waiting, up to ``LANE_AHEAD`` batches stand on the lane:
+        the next starts the moment the last one's collectives end, not after a round trip
+        through this loop, and answering (encode, send, release) overlaps it."""
         async with self._services():
-            batch, step = None, None
-            while step is not None or not self.life.done(time.monotonic(), self.core.idle):
-                if step is None:
-                    batch = await self._next_batch()    # 1. what is queued (or a heartbeat)
-                    step = self._start(batch)           # 2. publish + run, on every rank
-                try:
-                    outcome = await step
-                except GroupBroken as exc:
-                    return await self._broken(str(exc))
-                if outcome is None:                     # a second signal: go now
-                    break
-                following = self._waiting_batch()
-                step = self._start(following) if following is not None else None
-                self._finish(batch, *outcome)           # 3. answer each request once
-                batch = following
-            return await self._stopped()
+            ahead: deque = deque()  # (batch, step): started on the lane, in lane order
+            try:
+                while ahead or not self.life.done(time.monotonic(), self.core.idle):
+                    if not ahead:
+                        batch = await self._next_batch()         # 1. what is queued (or a heartbeat)
+                        ahead.append((batch, self._start(batch)))  # 2. publish + run, on every rank
+                    batch, step = ahead[0]
+                    try:
+                        outcome = await step
+                    except GroupBroken as exc:
+                        return await self._broken(str(exc))
+                    ahead.popleft()
+                    if outcome is None:                          # a second signal: go now
+                        break
+                    while len(ahead) < self.LANE_AHEAD and (following := self._waiting_batch()) is not None:
+                        ahead.append((following, self._start(following)))
+                    self._finish(batch, *outcome)                # 3. answer each request once
+                return await self._stopped()
+            finally:
+                for _, step in ahead:  # never awaited: a second signal or a broken group ended the loop
+                    step.close()
 
     # ------------------------------------------------------------ 1. receive, admit, batch
     def _on_message(self, frames: list) -> None:
@@ -156,8 +163,11 @@ class Leader:
 
     def _run_on_lane(self, batch: Batch) -> Coroutine:
         """Queued on the lane at once (not when the caller next yields); awaited, the outcome
-        (None when a second signal cut it short)."""
-        return self._watched(asyncio.ensure_future(self.lane.start(self._lead, batch)))
+        (None when a second signal cut it short). A step never awaited (the loop ended with
+        it still ahead) keeps its error to itself."""
+        step = asyncio.ensure_future(self.lane.start(self._lead, batch))
+        step.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return self._watched(step)
 
     def _start(self, batch: Batch) -> Coroutine:
         """The batch's outcome, to await. With followers the batch is on the lane already
@@ -170,7 +180,6 @@ class Leader:
         await asyncio.wait({step, now}, return_when=asyncio.FIRST_COMPLETED)
         now.cancel()
         if not step.done():
-            step.add_done_callback(lambda f: f.cancelled() or f.exception())
             self._carry(self.core.answer_inflight(UNAVAILABLE, "service unavailable: stopped before this "
                                                                 "request finished"))
             return None
