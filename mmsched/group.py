@@ -53,26 +53,50 @@ class GlooGroup:
         return broadcast_bytes(payload, None)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        try:
-            out = torch.empty((self.world * t.shape[0], *t.shape[1:]), dtype=t.dtype)
-            _all_gather_single(out, t.contiguous())
-            return out.view(self.world, *t.shape)
-        except RuntimeError as exc:
-            raise GroupBroken(f"all_gather failed: {exc}") from exc
+        return all_gather(t, self.world, None)
 
     def all_gather_object(self, obj: Any) -> list:
-        try:
-            out: list = [None] * self.world
-            dist.all_gather_object(out, obj)
-            return out
-        except RuntimeError as exc:
-            raise GroupBroken(f"all_gather_object failed: {exc}") from exc
+        return all_gather_object(obj, self.world, None)
 
     def close(self) -> None:
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
+
+
+class SubGroup:
+    """Collectives on another process group over the same ranks (the engine's own), so a rank
+    that calls one where its peer calls the runner's never mixes the two in one collective."""
+
+    def __init__(self, pg, rank: int, world: int):
+        self.pg, self.rank, self.world = pg, rank, world
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return all_gather(t, self.world, self.pg)
+
+    def all_gather_object(self, obj: Any) -> list:
+        return all_gather_object(obj, self.world, self.pg)
+
+
+def all_gather(t: torch.Tensor, world: int, pg) -> torch.Tensor:
+    """Every rank's ``t`` of ``pg`` (None: the whole group), stacked: [world, *t.shape]. (torch
+    2.13 renamed all_gather_into_tensor; the older releases the range admits keep the old name.)"""
+    try:
+        out = torch.empty((world * t.shape[0], *t.shape[1:]), dtype=t.dtype)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, t.contiguous(), group=pg)
+        return out.view(world, *t.shape)
+    except RuntimeError as exc:
+        raise GroupBroken(f"all_gather failed: {exc}") from exc
+
+
+def all_gather_object(obj: Any, world: int, pg) -> list:
+    try:
+        out: list = [None] * world
+        dist.all_gather_object(out, obj, group=pg)
+        return out
+    except RuntimeError as exc:
+        raise GroupBroken(f"all_gather_object failed: {exc}") from exc
 
 
 class RingGroup:
@@ -168,6 +192,3 @@ def broadcast_bytes(payload: bytes | None, pg) -> memoryview:
     except RuntimeError as exc:
         raise GroupBroken(f"broadcast failed: {exc}") from exc
 
-
-# torch 2.13 renamed all_gather_into_tensor; keep working on the older releases the range admits.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

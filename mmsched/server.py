@@ -26,10 +26,10 @@ import torch.distributed as dist
 from . import log
 from .batch import BatchRunner
 from .config import Config
-from .engine import EngineContext, load_engine
+from .engine import Engine, EngineContext, load_engine
 from .errors import ConfigError, describe
-from .faults import Faults
-from .group import GlooGroup, RingGroup, SoloGroup
+from .faults import NO_FAULTS, Faults
+from .group import GlooGroup, RingGroup, SoloGroup, SubGroup
 from .lane import Lane
 from .log import event
 from .rank import Follower, Leader
@@ -55,9 +55,8 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         return 3
     _announce(cfg, rank, world, topology)
     faults = Faults(cfg.faults, rank)
-    gather = FlaggedGather(group, faults, cfg.stall_s)  # the engine's gather, the agreement in it
     try:
-        engine = start_engine(cfg, group, gather)
+        engine, gather = start_engine(cfg, group, faults)
     except ConfigError as exc:
         event("config_error", logging.ERROR, error=str(exc))
         return 2
@@ -130,13 +129,17 @@ def _announce(cfg: Config, rank: int, world: int, topology: Topology) -> None:
               **({"never_fire": ",".join(idle)} if idle else {}))
 
 
-def start_engine(cfg: Config, group, gather: FlaggedGather | None = None):
+def start_engine(cfg: Config, group, faults: Faults = NO_FAULTS) -> tuple[Engine, FlaggedGather]:
     """The engine of ``cfg.engine`` with its own process group over all ranks (gloo; None at
-    world 1). Whether every rank built it is agreed (one collective at start), so a factory
-    that fails on one rank stops them all with exit 2 rather than leaving the others waiting."""
+    world 1), and its ``EngineContext.gather`` on that group (the runner's agreement rides
+    in it). Whether every rank built the engine is agreed (one collective at start), so a
+    factory that fails on one rank stops them all with exit 2 rather than leaving the
+    others waiting."""
     world = group.world
     engine_group = None if world == 1 else dist.new_group(
         list(range(world)), backend="gloo", timeout=timedelta(seconds=cfg.collective_timeout))
+    gather = FlaggedGather(SoloGroup() if world == 1 else SubGroup(engine_group, group.rank, world),
+                           faults, cfg.stall_s)
     ctx = EngineContext(rank=group.rank, world=world, group=engine_group, seed=cfg.seed,
                         options=dict(cfg.engine_options), gather=gather)
     engine, problem = None, None
@@ -150,7 +153,7 @@ def start_engine(cfg: Config, group, gather: FlaggedGather | None = None):
     problems = [p for p in group.all_gather_object(problem) if p]
     if problems:
         raise ConfigError("; ".join(problems))
-    return engine
+    return engine, gather
 
 
 FD_RESERVE = 1024  # sockets, gloo, shared libraries, the pool and ack-board caches

