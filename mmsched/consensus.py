@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .errors import GroupBroken
+
 OK, FAILED, ABORTED = 0, 1, 2
 ERR_WIDTH = 200                 # bytes of one error string in the gather; longer ones are cut
 ERR_SLOTS = 4                   # error strings per rank carried in the flags' all-gather
@@ -53,16 +55,26 @@ class Verdict:
                          for r in self.failed_ranks(i))
 
 
-def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor | None = None) -> Verdict:
+def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor | None = None,
+          stamp: tuple[int, ...] = ()) -> Verdict:
     """One collective for the batch (two only when a rank failed more than ERR_SLOTS requests).
 
-    ``extra`` [n, ...] of any dtype rides along as bytes; the verdict's is [world, n, k]."""
+    ``extra`` [n, ...] of any dtype rides along as bytes; the verdict's is [world, n, k].
+    ``stamp`` must be the same on every rank: a rank that gathered another stamp is out of
+    step with this one, and the group is broken (``GroupBroken``)."""
     n = len(flags)
+    if stamp:
+        flags = np.concatenate([np.asarray(stamp, dtype=np.int64), np.asarray(flags, dtype=np.int64)])
     parts = [torch.from_numpy(np.ascontiguousarray(flags, dtype=np.int64)).view(torch.uint8)]
     if extra is not None:
         parts.append(extra.contiguous().reshape(-1).view(torch.uint8))
     parts.append(torch.from_numpy(_tail(errors)))
     gathered = group.all_gather(torch.cat(parts))
+    if stamp:
+        stamps = gathered[:, : 8 * len(stamp)].contiguous().view(torch.int64)
+        if not (stamps == torch.tensor(stamp, dtype=torch.int64)).all():
+            raise GroupBroken(f"the ranks are out of step: they gathered (step, call) {stamps.tolist()}")
+        gathered = gathered[:, 8 * len(stamp):]
     world, head = gathered.shape[0], 8 * n
     all_flags = gathered[:, :head].contiguous().view(torch.int64).numpy()
     table = None

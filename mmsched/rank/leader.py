@@ -26,7 +26,7 @@ from ..transport.shm import Holds
 from ..transport.unread import release_malformed, release_unrun
 from .admission import Accept, Admission, Reply
 from .frontend import Frontend
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, State
 from .status import Status
 
 Outcome = tuple[list[dict], float | None]  # results, consensus seconds
@@ -233,6 +233,8 @@ class Leader:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.frontend.read_unread(self._on_message)  # stopped or broken: answered 503
             self.frontend.close()
+            if self.life.state is State.STOPPED:  # counted after the last 503s of the closing socket
+                event("stopped", results=dict(sorted(self.status.results_sent.items())))
 
     def _reclaimed(self, n: int) -> None:
         self.status.orphans_reclaimed += n
@@ -243,7 +245,6 @@ class Leader:
         self._carry(self.core.answer_queued(UNAVAILABLE, "service unavailable: shut down before this request ran"))
         self._carry(self.core.ack_closes())
         self.life.stopped()
-        event("stopped", results=dict(sorted(self.status.results_sent.items())))
         return 0
 
     async def _broadcast_stop(self) -> None:

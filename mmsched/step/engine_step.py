@@ -53,19 +53,21 @@ def _sendable(out):
     return out
 
 
-def call(engine: Engine, requests: list[EngineRequest]) -> list:
-    """One entry per request, an output map or an Exception; a raising step fails them all here."""
+def call(engine: Engine, requests: list[EngineRequest]) -> tuple[list, BaseException | None]:
+    """One entry per request, an output map or an Exception (a raising step fails them all
+    here), and the exception the step raised, if it did."""
     try:
         outs = engine.step(requests)
-        if not isinstance(outs, list) or len(outs) != len(requests):
-            raise TypeError(f"engine step returned {type(outs).__name__} of {len(outs) if hasattr(outs, '__len__') else '?'}"
-                            f" entries for {len(requests)} requests")
     except GroupBroken:
         raise  # a collective inside the step (EngineContext.gather) found the group gone
     except Exception as exc:  # noqa: BLE001 - the engine's failure, this rank's only
-        return [exc] * len(requests)
+        return [exc] * len(requests), exc
+    if not isinstance(outs, list) or len(outs) != len(requests):
+        wrong = TypeError(f"engine step returned {type(outs).__name__} of "
+                          f"{len(outs) if hasattr(outs, '__len__') else '?'} entries for {len(requests)} requests")
+        return [wrong] * len(requests), None
     return [o if isinstance(o, Exception) else _sendable(o) if isinstance(o, dict)
-            else TypeError(f"engine returned {type(o).__name__}, not a map") for o in outs]
+            else TypeError(f"engine returned {type(o).__name__}, not a map") for o in outs], None
 
 
 def local_flags(requests: list[EngineRequest], failures: dict[int, BaseException], faults: Faults,
@@ -96,15 +98,21 @@ class FlaggedGather:
     this rank's flags as known then (the failures the engine named so far in the step, the
     drills, the leader's aborts); the last call's verdict is the step's, and the runner's
     own agreement is skipped. A ``failed`` that names no valid row fails every row here,
-    still inside the collective: a local mistake must not leave the peers waiting."""
+    still inside the collective: a local mistake must not leave the peers waiting. Each
+    gather carries (step, call) and checks every rank's: a rank that called it more or
+    less often than its peers (an engine raising between two gathers, say) would pair
+    this step's gather with another's, so that is a broken group, never a 200 read from
+    another request's rows."""
 
     def __init__(self, group, faults: Faults, stall_s: float):
         self.group, self.faults, self.stall_s = group, faults, stall_s
         self._step: tuple | None = None
         self.verdict: consensus.Verdict | None = None
+        self.steps = self.calls = 0  # steps armed so far; gathers in this step
 
     def arm(self, requests: list[EngineRequest], aborted: Callable[[int], str | None]) -> None:
-        self._step, self.verdict = (requests, aborted, threading.get_ident(), {}), None
+        self.steps += 1  # the same count on every rank: every rank runs the same steps
+        self._step, self.verdict, self.calls = (requests, aborted, threading.get_ident(), {}), None, 0
 
     def disarm(self) -> consensus.Verdict | None:
         self._step = None
@@ -123,7 +131,8 @@ class FlaggedGather:
         if self.verdict is None and any(self.faults.hit("stall", r.rid) for r in requests):
             time.sleep(self.stall_s)  # a drill: this rank holds its peers inside the gather
         flags, errors = local_flags(requests, so_far, self.faults, aborted)
-        self.verdict = consensus.agree(self.group, flags, errors, extra=local)
+        self.calls += 1  # the stamp: a rank that gathered more or less often than its peers is caught
+        self.verdict = consensus.agree(self.group, flags, errors, extra=local, stamp=(self.steps, self.calls))
         return self.verdict.extra.reshape(self.group.world, *local.shape)
 
 
@@ -162,10 +171,13 @@ def run_engine(group, engine: Engine, faults: Faults, stall_s: float, requests: 
     if gather is not None:
         gather.arm(requests, aborted)
     try:
-        outs = call(engine, requests)
+        outs, raised = call(engine, requests)
     finally:
         verdict = gather.disarm() if gather is not None else None
     failures = {j: o for j, o in enumerate(outs) if isinstance(o, Exception)}
+    if verdict is not None and raised is not None:  # it may have left its peers inside a later gather
+        raise GroupBroken(f"the engine's step raised after EngineContext.gather on rank {group.rank} "
+                          f"({describe(raised)}): the ranks' gathers may be out of step")
     if verdict is not None:
         late = {j: f"rank 0: {describe(o)}" for j, o in failures.items() if verdict.ok(j)} if group.rank == 0 else {}
         mine = int((verdict.flags[group.rank] == consensus.FAILED).sum()) + len(late)

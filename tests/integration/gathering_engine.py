@@ -22,6 +22,12 @@ class GatheringEngine:
                   if r.params.get("fail_on_rank") == rank}
         if mode == "bad_keys_r1" and rank == 1:
             failed = {str(j): ValueError("keyed by str") for j in range(len(requests))}
+        if mode == "raise_between_r0":  # rank 0 runs out of memory between its two gathers
+            self.ctx.gather(local, {})
+            if rank == 0:
+                raise MemoryError("out of memory between two gathers")
+        if mode == "extra_r1" and rank == 1:  # one gather more than its peer, each the same shape
+            self.ctx.gather(local, {})
         if mode == "fail_first_call_r1":  # rank 1 names row 0 in the first of two gathers only
             self.ctx.gather(local, {0: ValueError("found in the first gather")} if rank == 1 else {})
             failed = {}

@@ -317,3 +317,24 @@ def test_the_gather_takes_calls_from_the_steps_own_thread_only_and_keeps_earlier
     assert _named_failures({1: "x"}, 2) == {1: "x"} and _named_failures(None, 2) == {}
     for bad in ([0], {"0": ValueError()}, {True: ValueError()}, {2: ValueError()}, {-1: ValueError()}):
         assert set(_named_failures(bad, 2)) == {0, 1}, bad  # every row, not a silent 200
+
+
+def test_a_gather_whose_peer_is_at_another_step_or_call_is_a_broken_group():
+    import torch
+
+    from mmsched import consensus
+    from mmsched.errors import GroupBroken
+
+    class Skewed(SoloGroup):
+        """Two ranks, the second one gather behind: its stamp's call is one less."""
+        world = 2
+
+        def all_gather(self, t):
+            other = t.clone()
+            other[8:16] = torch.tensor([int(t[8:16].view(torch.int64)) - 1]).view(torch.uint8)
+            return torch.stack([t, other])
+
+    with pytest.raises(GroupBroken, match=r"out of step.*\[\[3, 2\], \[3, 1\]\]"):
+        consensus.agree(Skewed(), np.zeros(2, dtype=np.int64), {}, extra=torch.zeros(2, 1), stamp=(3, 2))
+    v = consensus.agree(SoloGroup(), np.array([0, 1]), {1: "E: x"}, extra=torch.ones(2, 1), stamp=(3, 2))
+    assert v.failed_ranks(1) == [0] and v.message(1) == "rank 0: E: x" and v.extra.shape == (1, 2, 1)
