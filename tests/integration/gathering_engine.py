@@ -4,7 +4,18 @@ batch's): the tests of test_engine_gather.py serve it at tp=2."""
 
 from __future__ import annotations
 
+import zlib
+
 import torch
+
+
+def tag(rid: str) -> int:
+    return zlib.crc32(rid.encode()) % 65536
+
+
+def want_sum(rid: str) -> float:
+    """The gathered sum of a request's rows at tp=2, when every rank gathered this request's row."""
+    return 2.0 * tag(rid) + 3.0
 
 
 class GatheringEngine:
@@ -13,7 +24,8 @@ class GatheringEngine:
 
     def step(self, requests):
         mode, rank = requests[0].params.get("mode", ""), self.ctx.rank
-        local = torch.full((len(requests), 3), float(rank + 1), dtype=torch.float32)
+        # each row names its request (a gather paired with another step's shows in the sum)
+        local = torch.tensor([[tag(r.rid) + rank + 1.0] * 3 for r in requests], dtype=torch.float32)
         if mode == "raise_before_r0" and rank == 0:
             raise MemoryError("out of memory before the all-gather")
         if mode == "skip_r1" and rank == 1:
@@ -26,10 +38,10 @@ class GatheringEngine:
             self.ctx.gather(local, {})
             if rank == 0:
                 raise MemoryError("out of memory between two gathers")
-        if mode == "extra_r1" and rank == 1:  # one gather more than its peer, each the same shape
-            self.ctx.gather(local, {})
         if mode == "fail_first_call_r1":  # rank 1 names row 0 in the first of two gathers only
             self.ctx.gather(local, {0: ValueError("found in the first gather")} if rank == 1 else {})
             failed = {}
         rows = self.ctx.gather(local, failed)  # [world, n, 3]
+        if mode == "extra_r1" and rank == 1:  # one gather more than its peer, of the same shape
+            self.ctx.gather(local, {})
         return [failed.get(j) or {"sum": float(rows[:, j, 0].sum())} for j in range(len(requests))]
