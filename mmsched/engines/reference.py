@@ -105,18 +105,17 @@ class ReferenceEngine:
     def _gather(self, local: torch.Tensor, failed: dict[int, Exception]) -> torch.Tensor:
         """Every rank's shard of every row, side by side: [n, HIDDEN]. Through the runner's
         gather where it is given (its agreement rides along: no collective of the runner's
-        own), telling it which rows failed here."""
+        own), telling it which rows failed here. A group of one has nothing to gather (the
+        runner's agreement after the step costs no copy of the rows)."""
+        if self.world == 1:
+            return local[:, : self.widths[0]]
         if self.flagged is not None:
             parts = self.flagged(local, failed)
-        elif self.world == 1:
-            return local[:, : self.widths[0]]
         else:
             out = torch.empty((self.world * local.shape[0], self.width), dtype=local.dtype)
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.13
             gather(out, local, group=self.group)
             parts = out.view(self.world, local.shape[0], self.width)
-        if self.world == 1:
-            return parts[0, :, : self.widths[0]]
         return torch.cat([parts[r, :, :w] for r, w in enumerate(self.widths)], dim=1)
 
     def _outputs(self, requests: list[EngineRequest], rows: np.ndarray, failed: dict) -> list[dict | Exception]:
