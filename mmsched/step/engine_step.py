@@ -109,6 +109,7 @@ class FlaggedGather:
         self._step: tuple | None = None
         self.verdict: consensus.Verdict | None = None
         self.steps = self.calls = 0  # steps armed so far; gathers in this step
+        self.seconds = 0.0
 
     def arm(self, requests: list[EngineRequest], aborted: Callable[[int], str | None]) -> None:
         self.steps += 1  # the same count on every rank: every rank runs the same steps
@@ -132,7 +133,9 @@ class FlaggedGather:
             time.sleep(self.stall_s)  # a drill: this rank holds its peers inside the gather
         flags, errors = local_flags(requests, so_far, self.faults, aborted)
         self.calls += 1  # the stamp: a rank that gathered more or less often than its peers is caught
+        t0 = time.perf_counter()
         self.verdict = consensus.agree(self.group, flags, errors, extra=local, stamp=(self.steps, self.calls))
+        self.seconds = time.perf_counter() - t0  # the last call's: the agreement's time, for /metrics
         return self.verdict.extra.reshape(self.group.world, *local.shape)
 
 
@@ -154,7 +157,7 @@ class Stepped:
     verdict: consensus.Verdict  # over the requests given to the engine
     outputs: list               # per request: its output map where the verdict is ok, else None
     failures: int               # requests that failed on this rank
-    agree_s: float | None       # seconds of the agreement (None: it rode in the engine's gather)
+    agree_s: float              # seconds of the agreement (where it rode in the engine's gather, that gather's)
     late: dict[int, str]        # the leader's failures after the engine's last gather: 500s of rank 0
 
 
@@ -182,7 +185,7 @@ def run_engine(group, engine: Engine, faults: Faults, stall_s: float, requests: 
         late = {j: f"rank 0: {describe(o)}" for j, o in failures.items() if verdict.ok(j)} if group.rank == 0 else {}
         mine = int((verdict.flags[group.rank] == consensus.FAILED).sum()) + len(late)
         return Stepped(verdict, [o if verdict.ok(j) and j not in late else None for j, o in enumerate(outs)],
-                       mine, None, late)
+                       mine, gather.seconds, late)
     if any(faults.hit("stall", r.rid) for r in requests):
         time.sleep(stall_s)  # a drill: this rank holds its peers inside the agreement
     flags, errors = local_flags(requests, failures, faults, aborted)  # aborts read after the stall
