@@ -21,7 +21,7 @@ from .sessions import Pending, SessionStore
 from .step.engine_step import FlaggedGather, engine_requests, run_engine
 from .step.features import Materialized, agree, materialize, release
 from .step.forward import forwarding
-from .step.outcome import Gate, Ok, Outcome, decide, render
+from .step.outcome import Failed, Gate, Ok, Outcome, decide, render
 from .transport import Transports
 
 
@@ -132,7 +132,7 @@ class BatchRunner:
     def _keep(self, reqs: list[Request], m: Materialized, outcomes: list[Outcome]) -> None:
         """A session keeps the new features of its turns that succeeded; every turn touches it."""
         for req, tensors, outcome in zip(reqs, m.tensors, outcomes):
-            if isinstance(outcome, Ok) or getattr(outcome, "agreed_ok", False):
+            if isinstance(outcome, Ok) or (isinstance(outcome, Failed) and outcome.agreed_ok):
                 new = self._new_session_features(req, tensors)
                 if new:
                     self.sessions.put(req.session_id, new)

@@ -62,25 +62,19 @@ def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor 
     ``extra`` [n, ...] of any dtype rides along as bytes; the verdict's is [world, n, k].
     ``stamp`` must be the same on every rank: a rank that gathered another stamp is out of
     step with this one, and the group is broken (``GroupBroken``)."""
-    n = len(flags)
+    n, s = len(flags), 8 * len(stamp)
+    head = np.concatenate([np.asarray(stamp, dtype=np.int64), np.asarray(flags, dtype=np.int64)])
+    raw = extra.contiguous().reshape(-1).view(torch.uint8) if extra is not None else torch.empty(0, dtype=torch.uint8)
+    gathered = group.all_gather(torch.cat([torch.from_numpy(head).view(torch.uint8), raw,
+                                           torch.from_numpy(_tail(errors))]))
     if stamp:
-        flags = np.concatenate([np.asarray(stamp, dtype=np.int64), np.asarray(flags, dtype=np.int64)])
-    parts = [torch.from_numpy(np.ascontiguousarray(flags, dtype=np.int64)).view(torch.uint8)]
-    if extra is not None:
-        parts.append(extra.contiguous().reshape(-1).view(torch.uint8))
-    parts.append(torch.from_numpy(_tail(errors)))
-    gathered = group.all_gather(torch.cat(parts))
-    if stamp:
-        stamps = gathered[:, : 8 * len(stamp)].contiguous().view(torch.int64)
+        stamps = gathered[:, :s].contiguous().view(torch.int64)
         if not (stamps == torch.tensor(stamp, dtype=torch.int64)).all():
             raise GroupBroken(f"the ranks are out of step: they gathered (step, call) {stamps.tolist()}")
-        gathered = gathered[:, 8 * len(stamp):]
-    world, head = gathered.shape[0], 8 * n
-    all_flags = gathered[:, :head].contiguous().view(torch.int64).numpy()
-    table = None
-    if extra is not None:
-        table = _as(gathered[:, head: head + parts[1].numel()], extra.dtype).reshape(world, n, -1)
-    tails = gathered[:, head + (parts[1].numel() if extra is not None else 0):].numpy()
+    world, at = gathered.shape[0], s + 8 * n  # the flags end, the extra starts, at byte ``at``
+    all_flags = gathered[:, s:at].contiguous().view(torch.int64).numpy()
+    table = _as(gathered[:, at: at + raw.numel()], extra.dtype).reshape(world, n, -1) if extra is not None else None
+    tails = gathered[:, at + raw.numel():].numpy()
     all_errors = None
     if (all_flags == FAILED).any():
         if any(int(t[:4].view(np.int32)[0]) > ERR_SLOTS for t in tails):
@@ -93,7 +87,7 @@ def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor 
 def _as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Gathered bytes [world, k] as ``dtype``: a view where their offset allows it, else a copy."""
     raw = raw.contiguous()  # a copy at world > 1 (the rows are apart), a view at world 1
-    if raw.storage_offset() % torch.empty(0, dtype=dtype).element_size():
+    if raw.storage_offset() % dtype.itemsize:
         raw = raw.clone()
     return raw.view(dtype)
 

@@ -38,33 +38,6 @@ class SoloGroup:
         pass
 
 
-class GlooGroup:
-    """A torch.distributed gloo group; collective errors become GroupBroken."""
-
-    def __init__(self, rank: int, world: int, init_method: str, timeout_s: float):
-        dist.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        self.rank, self.world = rank, world
-
-    def broadcast(self, payload: bytes | None) -> memoryview:
-        """Leader passes bytes, followers None; everyone gets the leader's bytes."""
-        return broadcast_bytes(payload, None)
-
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        return all_gather(t, self.world, None)
-
-    def all_gather_object(self, obj: Any) -> list:
-        return all_gather_object(obj, self.world, None)
-
-    def close(self) -> None:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
-
-
 class SubGroup:
     """Collectives on another process group over the same ranks (the engine's own), so a rank
     that calls one where its peer calls the runner's never mixes the two in one collective."""
@@ -77,6 +50,27 @@ class SubGroup:
 
     def all_gather_object(self, obj: Any) -> list:
         return all_gather_object(obj, self.world, self.pg)
+
+
+class GlooGroup(SubGroup):
+    """A torch.distributed gloo group; collective errors become GroupBroken."""
+
+    def __init__(self, rank: int, world: int, init_method: str, timeout_s: float):
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        super().__init__(None, rank, world)  # None: the whole (default) group
+
+    def broadcast(self, payload: bytes | None) -> memoryview:
+        """Leader passes bytes, followers None; everyone gets the leader's bytes."""
+        return broadcast_bytes(payload, None)
+
+    def close(self) -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
 
 
 def all_gather(t: torch.Tensor, world: int, pg) -> torch.Tensor:

@@ -106,32 +106,35 @@ class FlaggedGather:
 
     def __init__(self, group, faults: Faults, stall_s: float):
         self.group, self.faults, self.stall_s = group, faults, stall_s
-        self._step: tuple | None = None
+        self.requests: list[EngineRequest] = []
+        self.aborted: Callable[[int], str | None] = lambda j: None
+        self.failed: dict[int, BaseException] = {}  # named by the engine in this step's calls so far
+        self.thread: int | None = None  # the step's thread while armed; None between steps
         self.verdict: consensus.Verdict | None = None
         self.steps = self.calls = 0  # steps armed so far; gathers in this step
         self.seconds = 0.0
 
     def arm(self, requests: list[EngineRequest], aborted: Callable[[int], str | None]) -> None:
         self.steps += 1  # the same count on every rank: every rank runs the same steps
-        self._step, self.verdict, self.calls = (requests, aborted, threading.get_ident(), {}), None, 0
+        self.requests, self.aborted, self.failed, self.thread = requests, aborted, {}, threading.get_ident()
+        self.verdict, self.calls = None, 0
 
     def disarm(self) -> consensus.Verdict | None:
-        self._step = None
+        self.thread = None
         return self.verdict
 
     def __call__(self, local: torch.Tensor, failed: Mapping[int, BaseException] | None = None) -> torch.Tensor:
-        step = self._step
-        if step is None or step[2] != threading.get_ident():
+        if self.thread is None or self.thread != threading.get_ident():
             raise RuntimeError("EngineContext.gather is a collective of the step: call it inside step(), "
                                "on step's own thread")
-        requests, aborted, _, so_far = step
+        requests = self.requests
         if not isinstance(local, torch.Tensor) or local.dim() == 0 or local.shape[0] != len(requests):
             shape = tuple(local.shape) if isinstance(local, torch.Tensor) else type(local).__name__
             raise ValueError(f"gather: {shape} is not one row per request ({len(requests)})")
-        so_far.update(_named_failures(failed, len(requests)))
+        self.failed.update(_named_failures(failed, len(requests)))
         if self.verdict is None and any(self.faults.hit("stall", r.rid) for r in requests):
             time.sleep(self.stall_s)  # a drill: this rank holds its peers inside the gather
-        flags, errors = local_flags(requests, so_far, self.faults, aborted)
+        flags, errors = local_flags(requests, self.failed, self.faults, self.aborted)
         self.calls += 1  # the stamp: a rank that gathered more or less often than its peers is caught
         t0 = time.perf_counter()
         self.verdict = consensus.agree(self.group, flags, errors, extra=local, stamp=(self.steps, self.calls))
