@@ -14,7 +14,7 @@ from mmsched.client import Client, inline
 
 from ..conftest import Server, pid_alive
 from .gathering_engine import want_sum
-from .lifecycle import feature, my_segments, wait_until
+from .lifecycle import feature, my_segments, sha256_of, wait_until
 from .test_group import private_server  # noqa: F401 - the fixture: a group this test breaks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -37,6 +37,7 @@ async def test_rows_failures_and_misuse_of_failed_are_agreed_in_the_gather(gathe
         first = await c.request("generate", [1], rid=f"first-{t}", params={"mode": "fail_first_call_r1"}, timeout=60)
         again = await c.request("generate", [1], rid=f"again-{t}", timeout=60)
     assert ok.status == 200 and ok.output == {"sum": want_sum(f"ok-{t}")}, ok  # both ranks' rows of it
+    assert ok.meta["digests"] == [sha256_of(feature(3))], ok.meta  # what the ranks read is what was sent
     assert (one.status, one.message, one.meta["failed_ranks"]) == (
         500, "Engine step failed (rank 1: ValueError: row 0 fails on rank 1)", [1]), one
     assert bad.status == 500 and bad.meta["failed_ranks"] == [1], bad  # a str key is no row: refused, not dropped
