@@ -95,9 +95,7 @@ class ReferenceEngine:
         n = len(requests)
         x = torch.zeros(n, self.D_IN, dtype=torch.float64)
         failed = self.encode_batch(requests, x.numpy()) if n else {}  # rows filled through numpy
-        local = torch.zeros(n, self.width, dtype=torch.float64)
-        local[:, : self.shard.shape[1]] = x @ self.shard
-        hidden = self._gather(local, failed)
+        hidden = self._gather(x @ self.shard, failed)
         if self.rank != 0:  # only rank 0's outputs are sent: the others do not render theirs
             return [failed.get(i, {}) for i in range(n)]
         return self._outputs(requests, hidden.numpy(), failed)
@@ -108,7 +106,9 @@ class ReferenceEngine:
         own), telling it which rows failed here. A group of one has nothing to gather (the
         runner's agreement after the step costs no copy of the rows)."""
         if self.world == 1:
-            return local[:, : self.widths[0]]
+            return local
+        if local.shape[1] < self.width:  # a narrower shard: every rank gathers rows of one width
+            local = torch.nn.functional.pad(local, (0, self.width - local.shape[1]))
         if self.flagged is not None:
             parts = self.flagged(local, failed)
         else:

@@ -1,10 +1,11 @@
 """The pure parts of a batch's step: ``decide`` (every outcome and their order), the engine
-step's verdict (with a group of one: no sockets, no processes), and ``render``."""
+step's verdict (with in-process groups: no sockets, no processes), and ``render``."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from mmsched.consensus import ABORTED, FAILED, Verdict
 from mmsched.engine import EngineRequest
@@ -97,17 +98,27 @@ class Engine:
         return self.outs if self.outs is not None else [{"ok": r.rid} for r in reqs]
 
 
-class CountingSolo(SoloGroup):
+class Mirror(SoloGroup):
+    """Two ranks in one process, the second gathering exactly what the first does (so every
+    failure is named on both), every collective counted: a group of one has none to count."""
+
+    world = 2
+
     def __init__(self):
         self.calls = 0
 
     def all_gather(self, t):
         self.calls += 1
-        return super().all_gather(t)
+        return torch.stack([t, t])
 
     def all_gather_object(self, obj):
         self.calls += 1
-        return super().all_gather_object(obj)
+        return [obj, obj]
+
+
+def both(error: str) -> str:
+    """The message of a failure both ranks of a ``Mirror`` report."""
+    return f"rank 0: {error}; rank 1: {error}"
 
 
 def step(engine, rids=("a", "b", "c"), faults=NO_FAULTS, aborted=lambda j: None):
@@ -151,11 +162,30 @@ def test_late_aborts_are_agreed_after_the_step_and_an_early_one_wins_over_a_fail
 
 
 def test_the_agreement_is_one_collective_failures_included():
-    group = CountingSolo()
+    group = Mirror()
     run_engine(group, Engine(), NO_FAULTS, 0.0, requests("a"), lambda j: None)
     assert group.calls == 1
-    run_engine(group, Engine([ValueError("x")]), NO_FAULTS, 0.0, requests("a"), lambda j: None)
-    assert group.calls == 2  # the error string rides in the flags' all-gather
+    s = run_engine(group, Engine([ValueError("x")]), NO_FAULTS, 0.0, requests("a"), lambda j: None)
+    assert group.calls == 2 and s.verdict.message(0) == both("ValueError: x")  # the string rode in the flags'
+
+
+def test_a_group_of_one_agrees_without_a_collective_and_gives_the_same_verdict():
+    from mmsched import consensus
+
+    class Counting(SoloGroup):
+        calls = 0
+
+        def all_gather(self, t):
+            self.calls += 1
+            return super().all_gather(t)
+
+    flags, errors, extra = np.array([0, 1, 2, 1, 1, 1, 1]), {k: f"E: {k}" for k in (1, 3, 4, 5, 6)}, torch.ones(7, 2)
+    alone = consensus.agree(Counting(), flags, errors | {6: "E: " + "é" * 300}, extra=extra)
+    assert alone.extra.shape == (1, 7, 2) and alone.extra.data_ptr() != extra.data_ptr()  # fresh, as gathered
+    assert [alone.ok(i) for i in range(7)] == [True] + [False] * 6 and alone.aborted(2)
+    assert alone.message(1) == "rank 0: E: 1" and alone.message(6).endswith(consensus.TRUNCATED)
+    assert len(alone.message(6).encode()) <= len("rank 0: ") + consensus.ERR_WIDTH
+    assert consensus.agree(Counting(), np.zeros(2), {}).errors is None
 
 
 # ---------------------------------------------------------------- what a plug-in engine can get wrong
@@ -238,7 +268,7 @@ class Gathering:
 def gathered_step(engine_of, rids=("a", "b", "c"), faults=NO_FAULTS, aborted=lambda j: None):
     from mmsched.step.engine_step import FlaggedGather
 
-    group = CountingSolo()
+    group = Mirror()
     gather = FlaggedGather(group, faults, 0.0)
     engine = engine_of(gather)
     s = run_engine(group, engine, faults, 0.0, requests(*rids), aborted, gather)
@@ -248,9 +278,9 @@ def gathered_step(engine_of, rids=("a", "b", "c"), faults=NO_FAULTS, aborted=lam
 def test_an_engine_that_gathers_through_the_context_pays_no_agreement_of_its_own():
     s, calls, engine = gathered_step(lambda g: Gathering(g, failed={1: ValueError("bad row")}))
     assert calls == 1, "the engine's gather is the only collective: the agreement rode in it"
-    assert tuple(engine.gathered.shape) == (1, 3, 2) and engine.gathered[0, 2, 1] == 5.0  # its rows, intact
+    assert tuple(engine.gathered.shape) == (2, 3, 2) and engine.gathered[1, 2, 1] == 5.0  # its rows, intact
     assert [s.verdict.ok(j) for j in range(3)] == [True, False, True]
-    assert s.verdict.message(1) == "rank 0: ValueError: bad row"
+    assert s.verdict.message(1) == both("ValueError: bad row")
     assert s.outputs == [{"o": 1.0}, None, {"o": 5.0}] and s.agree_s >= 0 and s.failures == 1
 
 
@@ -258,7 +288,7 @@ def test_drills_and_aborts_ride_in_the_engines_gather():
     s, calls, _ = gathered_step(Gathering, faults=Faults([Fault.parse("0:engine:b")], 0),
                                 aborted=lambda j: "late" if j == 2 else None)
     assert calls == 1
-    assert s.verdict.message(1) == "rank 0: InjectedFault: injected engine fault on rank 0"
+    assert s.verdict.message(1) == both("InjectedFault: injected engine fault on rank 0")
     assert s.verdict.aborted(2) and s.outputs == [{"o": 1.0}, None, None]
 
 
@@ -275,7 +305,7 @@ def test_a_step_that_does_not_gather_is_agreed_after_it_and_the_gather_refuses_m
     import torch
 
     s, calls, _ = gathered_step(lambda g: Engine([{"o": 1}, ValueError("x"), {"o": 3}]))
-    assert calls == 1 and s.agree_s is not None and s.verdict.message(1) == "rank 0: ValueError: x"
+    assert calls == 1 and s.agree_s is not None and s.verdict.message(1) == both("ValueError: x")
     from mmsched.step.engine_step import FlaggedGather
 
     gather = FlaggedGather(SoloGroup(), NO_FAULTS, 0.0)
@@ -313,7 +343,7 @@ def test_the_gather_takes_calls_from_the_steps_own_thread_only_and_keeps_earlier
 
     s, calls, _ = gathered_step(FromAThread, rids=("a", "b"))
     assert "on step's own thread" in seen["error"] and calls == 2
-    assert s.verdict.message(0) == "rank 0: ValueError: first" and s.verdict.ok(1)
+    assert s.verdict.message(0) == both("ValueError: first") and s.verdict.ok(1)
     assert _named_failures({1: "x"}, 2) == {1: "x"} and _named_failures(None, 2) == {}
     for bad in ([0], {"0": ValueError()}, {True: ValueError()}, {2: ValueError()}, {-1: ValueError()}):
         assert set(_named_failures(bad, 2)) == {0, 1}, bad  # every row, not a silent 200
