@@ -45,6 +45,6 @@ class Follower:
                 current, following = following, None
         except GroupBroken as exc:
             if following is not None:
-                following.close()  # never awaited: the group is gone
+                following.cancel()  # never awaited: the group is gone
             event("group_broken", logging.ERROR, reason=str(exc))
             return 3

@@ -47,7 +47,8 @@ class Leader:
         self.frontend = Frontend(cfg)
         self.status = Status(self.core, self.life, lane, self.frontend.lost, cfg.collective_timeout,
                              runner.sessions, runner.topology, runner.counters, world)
-        self._wake, self._stop, self._now = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self._wake, self._stop = asyncio.Event(), asyncio.Event()
+        self._now = asyncio.get_running_loop().create_future()  # set by a second signal: stop now
         # role links, bound once
         self._publish = self._broadcast if world > 1 else _nothing
         self._overlap = world > 1  # a group of one runs small batches on the loop itself
@@ -121,7 +122,7 @@ class Leader:
 
     def _waiting_batch(self) -> Batch | None:
         """The next batch when work is queued and followers could start it now; else None."""
-        if not self._overlap or not self.core.has_work or self._now.is_set() \
+        if not self._overlap or not self.core.has_work or self._now.done() \
                 or self.life.done(time.monotonic(), False):
             return None
         return self.core.next_batch(time.monotonic())
@@ -165,7 +166,7 @@ class Leader:
         """Queued on the lane at once (not when the caller next yields); awaited, the outcome
         (None when a second signal cut it short). A step never awaited (the loop ended with
         it still ahead) keeps its error to itself."""
-        step = asyncio.ensure_future(self.lane.start(self._lead, batch))
+        step = self.lane.start(self._lead, batch)
         step.add_done_callback(lambda f: f.cancelled() or f.exception())
         return self._watched(step)
 
@@ -176,9 +177,8 @@ class Leader:
 
     async def _watched(self, step: asyncio.Future) -> Outcome | None:
         """The batch's outcome; None when a second signal cut it short."""
-        now = asyncio.ensure_future(self._now.wait())
-        await asyncio.wait({step, now}, return_when=asyncio.FIRST_COMPLETED)
-        now.cancel()
+        if not step.done():
+            await asyncio.wait((step, self._now), return_when=asyncio.FIRST_COMPLETED)
         if not step.done():
             self._carry(self.core.answer_inflight(UNAVAILABLE, "service unavailable: stopped before this "
                                                                 "request finished"))
@@ -278,7 +278,8 @@ class Leader:
                   timeout_s=self.cfg.shutdown_timeout)
         elif step == "stop_now":
             event("stop_now", inflight=len(self.core.inflight), queued=len(self.core.queue))
-            self._now.set()
+            if not self._now.done():
+                self._now.set_result(None)
         self._stop.set()
         self._wake.set()
 
