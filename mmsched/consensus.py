@@ -65,18 +65,20 @@ def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor 
     if group.world == 1:
         return _alone(flags, errors, extra)
     n, s = len(flags), 8 * len(stamp)
-    head = np.concatenate([np.asarray(stamp, dtype=np.int64), np.asarray(flags, dtype=np.int64)])
-    raw = extra.contiguous().reshape(-1).view(torch.uint8) if extra is not None else torch.empty(0, dtype=torch.uint8)
-    gathered = group.all_gather(torch.cat([torch.from_numpy(head).view(torch.uint8), raw,
-                                           torch.from_numpy(_tail(errors))]))
+    raw = _bytes(extra)
+    payload = np.concatenate([np.asarray(stamp, dtype=np.int64).view(np.uint8),
+                              np.asarray(flags, dtype=np.int64).view(np.uint8), raw, _tail(errors)])
+    gathered = group.all_gather(torch.from_numpy(payload)).numpy()  # [world, bytes]: numpy from here
     if stamp:
-        stamps = gathered[:, :s].contiguous().view(torch.int64)
-        if not (stamps == torch.tensor(stamp, dtype=torch.int64)).all():
+        stamps = _field(gathered, 0, s, np.int64)
+        if not (stamps == np.asarray(stamp)).all():
             raise GroupBroken(f"the ranks are out of step: they gathered (step, call) {stamps.tolist()}")
     world, at = gathered.shape[0], s + 8 * n  # the flags end, the extra starts, at byte ``at``
-    all_flags = gathered[:, s:at].contiguous().view(torch.int64).numpy()
-    table = _as(gathered[:, at: at + raw.numel()], extra.dtype).reshape(world, n, -1) if extra is not None else None
-    tails = gathered[:, at + raw.numel():].numpy()
+    all_flags = _field(gathered, s, at, np.int64)
+    table = None
+    if extra is not None:  # a copy of the rows: the engine may keep it, whatever the gather buffer does
+        table = torch.from_numpy(gathered[:, at: at + raw.size].copy()).view(extra.dtype).reshape(world, n, -1)
+    tails = gathered[:, at + raw.size:]
     all_errors = None
     if (all_flags == FAILED).any():
         if any(int(t[:4].view(np.int32)[0]) > ERR_SLOTS for t in tails):
@@ -86,6 +88,18 @@ def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor 
     return Verdict(all_flags, all_errors, table)
 
 
+def _bytes(extra: torch.Tensor | None) -> np.ndarray:
+    """``extra``'s bytes, flat (numpy from here: each torch op costs several µs, at every batch)."""
+    if extra is None:
+        return np.empty(0, dtype=np.uint8)
+    return extra.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _field(gathered: np.ndarray, start: int, end: int, dtype) -> np.ndarray:
+    """Bytes ``start:end`` of every rank's row as ``dtype`` [world, k] (a copy: rows need not be aligned)."""
+    return gathered[:, start:end].copy().view(dtype)
+
+
 def _alone(flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor | None) -> Verdict:
     """A group of one: the verdict ``agree`` would gather, without building a payload (its
     torch ops cost ~150 µs a batch here, a third of a one-request batch at tp=1)."""
@@ -93,14 +107,6 @@ def _alone(flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor | None
     all_errors = [{i: clip(e) for i, e in errors.items()}] if (flags == FAILED).any() else None
     table = extra.reshape(1, flags.shape[1], -1).clone() if extra is not None else None  # fresh, as gathered
     return Verdict(flags, all_errors, table)
-
-
-def _as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered bytes [world, k] as ``dtype``: a view where their offset allows it, else a copy."""
-    raw = raw.contiguous()  # a copy at world > 1 (the rows are apart), a view at world 1
-    if raw.storage_offset() % dtype.itemsize:
-        raw = raw.clone()
-    return raw.view(dtype)
 
 
 def clip(text: str) -> str:
