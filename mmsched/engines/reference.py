@@ -1,9 +1,11 @@
-"""The reference engine: a deterministic tensor-parallel projection, mmsched's default plug-in.
+"""The reference engine: a deterministic tensor-parallel model, mmsched's default plug-in.
 
-Each rank computes its column shard of one projection and the shards are all-gathered on
-the engine's own process group, so a rank that skipped a request would hang the gather,
-exactly as a real model would. The output depends only on the input ids and the feature
-bytes: the same for any number of ranks, up to float tolerance.
+Each rank sums its column shard of the token embedding (and of the features' projected byte
+sums) for every request; the shards are all-gathered on the engine's own process group, so a
+rank that skipped a request would hang the gather, exactly as a real model would; rank 0
+then projects the joined rows, shard by shard, as each rank used to. The output depends only
+on the input ids and the feature bytes, bit for bit the per-request formula's, and the same
+for any number of ranks up to float tolerance (the projection's shards differ in width).
 """
 
 from __future__ import annotations
@@ -27,16 +29,21 @@ class ReferenceEngine:
         self.byte_proj_np = torch.randn(self.CHUNKS, self.D_IN, generator=g, dtype=torch.float64).numpy()
         w = torch.randn(self.D_IN, self.HIDDEN, generator=g, dtype=torch.float64) / math.sqrt(self.D_IN)
         self.mix = torch.randn(self.HIDDEN, generator=g, dtype=torch.float64)
-        shards = torch.tensor_split(w, ctx.world, dim=1)
-        self.shard = shards[ctx.rank].contiguous()
-        self.widths = [s.shape[1] for s in shards]
+        self.shards = [s.contiguous() for s in torch.tensor_split(w, ctx.world, dim=1)]  # rank 0 projects each
+        self.shard = self.shards[ctx.rank]
+        spans = [(int(c[0]), int(c[-1]) + 1) for c in np.array_split(np.arange(self.D_IN), ctx.world)]
+        self.span = spans[ctx.rank]  # this rank's columns of the embedding
+        self.widths = [b - a for a, b in spans]
         self.width = max(self.widths)
+        # this rank's columns, contiguous: a narrower row gathers faster (the sums are the same bits)
+        self.columns = np.ascontiguousarray(self.token_table[:, slice(*self.span)])
         self.rank, self.world, self.group, self.flagged = ctx.rank, ctx.world, ctx.group, ctx.gather
 
     def encode(self, req: EngineRequest) -> np.ndarray:
-        """Input ids and feature bytes → one D_IN vector (numpy: no torch dispatch per small op)."""
+        """Input ids and feature bytes → this rank's columns of one D_IN vector (numpy: no torch
+        dispatch per small op)."""
         # the rows of the request's tokens, summed: not a dense pass over the whole table per request
-        x = self.token_table[req.input_ids % self.TOKEN_TABLE].sum(axis=0) / len(req.input_ids)
+        x = self.columns[req.input_ids % self.TOKEN_TABLE].sum(axis=0) / len(req.input_ids)
         return self._add_features(x, req)
 
     def _add_features(self, x: np.ndarray, req: EngineRequest) -> np.ndarray:
@@ -52,11 +59,11 @@ class ReferenceEngine:
                 # copy of the whole feature first (8x its size: a 256 MiB feature cost 2.3 GiB)
                 sums += np.add.reduce(b[: m * self.CHUNKS].reshape(self.CHUNKS, m), axis=1, dtype=np.int64)
             sums[-1] += float(b[m * self.CHUNKS:].sum(dtype=np.int64))
-            x += (sums / (255.0 * max(m, 1))) @ self.byte_proj_np
+            x += ((sums / (255.0 * max(m, 1))) @ self.byte_proj_np)[slice(*self.span)]
         return x
 
     def encode_batch(self, requests: list[EngineRequest], x: np.ndarray) -> dict[int, Exception]:
-        """Every request's ``encode`` into the rows of ``x`` [n, D_IN]; the failures by index.
+        """Every request's ``encode`` into the rows of ``x`` [n, this rank's columns]; the failures by index.
 
         Requests with as many ids as each other share one fancy index and one sum over a
         [k, len, D_IN] block: the rows are added in the same order as ``encode`` adds them,
@@ -79,7 +86,7 @@ class ReferenceEngine:
         if length:
             try:
                 ids = np.stack([requests[i].input_ids for i in rows]) % self.TOKEN_TABLE
-                x[rows] = np.take(self.token_table, ids, axis=0).sum(axis=1) / length  # take: faster than []
+                x[rows] = np.take(self.columns, ids, axis=0).sum(axis=1) / length  # take: faster than []
             except (IndexError, TypeError):  # int64 and uint64 ids stack as floats: each alone then
                 length = None
         for i in rows:
@@ -93,22 +100,22 @@ class ReferenceEngine:
 
     def step(self, requests: list[EngineRequest]) -> list[dict | Exception]:
         n = len(requests)
-        x = torch.zeros(n, self.D_IN, dtype=torch.float64)
-        failed = self.encode_batch(requests, x.numpy()) if n else {}  # rows filled through numpy
-        hidden = self._gather(x @ self.shard, failed)
+        x = torch.zeros(n, self.width, dtype=torch.float64)  # as wide as the widest shard: rows of one width
+        failed = self.encode_batch(requests, x.numpy()[:, : self.span[1] - self.span[0]]) if n else {}
+        joined = self._gather(x, failed)
         if self.rank != 0:  # only rank 0's outputs are sent: the others do not render theirs
             return [failed.get(i, {}) for i in range(n)]
+        parts = [joined @ s for s in self.shards]  # each shard of the projection as its rank once did
+        hidden = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return self._outputs(requests, hidden.numpy(), failed)
 
     def _gather(self, local: torch.Tensor, failed: dict[int, Exception]) -> torch.Tensor:
-        """Every rank's shard of every row, side by side: [n, HIDDEN]. Through the runner's
+        """Every rank's columns of every row, side by side: [n, D_IN]. Through the runner's
         gather where it is given (its agreement rides along: no collective of the runner's
         own), telling it which rows failed here. A group of one has nothing to gather (the
         runner's agreement after the step costs no copy of the rows)."""
         if self.world == 1:
             return local
-        if local.shape[1] < self.width:  # a narrower shard: every rank gathers rows of one width
-            local = torch.nn.functional.pad(local, (0, self.width - local.shape[1]))
         if self.flagged is not None:
             parts = self.flagged(local, failed)
         else:

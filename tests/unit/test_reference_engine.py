@@ -57,12 +57,12 @@ def old_step(ranks: list[ReferenceEngine], requests: list[EngineRequest]) -> lis
 
 
 def new_step(ranks: list[ReferenceEngine], requests: list[EngineRequest]) -> list:
-    """Each rank's real ``step``, its all-gather replaced by the shards the others computed."""
-    shards = []
-    for e in reversed(ranks):  # followers first: rank 0 renders once it has every shard
+    """Each rank's real ``step``, its all-gather replaced by the columns the others computed."""
+    columns = []
+    for e in reversed(ranks):  # followers first: rank 0 renders once it has every rank's columns
         def gather(local, failed, e=e):
-            shards.insert(0, local[:, : e.shard.shape[1]].clone())
-            return torch.cat(shards, dim=1)
+            columns.insert(0, local[:, : e.span[1] - e.span[0]].clone())
+            return torch.cat(columns, dim=1)  # a follower's is partial: it renders nothing
         e._gather = gather
         out = e.step(requests)
     return out
@@ -84,7 +84,7 @@ def random_requests(rng: np.random.Generator, n: int, features: bool) -> list[En
     return reqs
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("features", [False, True])
 @pytest.mark.parametrize("n", [1, 5, 64])
 def test_the_batch_path_gives_the_per_request_bits(world, features, n):
@@ -93,10 +93,12 @@ def test_the_batch_path_gives_the_per_request_bits(world, features, n):
     requests = random_requests(rng, n, features)
     want, got = old_step(ranks, requests), new_step(ranks, requests)
     assert got == want  # embedding bytes and output ids, exactly
-    # and before the float32 cast hides a last bit: the encoded rows, bit for bit
-    x = np.zeros((n, ranks[0].D_IN))
-    assert ranks[0].encode_batch(requests, x) == {}
-    assert x.tobytes() == np.stack([old_encode(ranks[0], r) for r in requests]).tobytes()
+    # and before the float32 cast hides a last bit: each rank's columns of the encoded rows, bit for bit
+    want = np.stack([old_encode(ranks[0], r) for r in requests])
+    for e in ranks:
+        x = np.zeros((n, e.span[1] - e.span[0]))
+        assert e.encode_batch(requests, x) == {}
+        assert x.tobytes() == np.ascontiguousarray(want[:, slice(*e.span)]).tobytes()
 
 
 def test_a_request_the_batch_path_cannot_take_fails_alone():
