@@ -127,5 +127,5 @@ class HFEngine:
 def _all_gather_single(out, t, group):
     import torch.distributed as dist
 
-    # torch 2.13 renamed all_gather_into_tensor (mmsched.group does the same)
+    # torch 2.13 renamed all_gather_into_tensor
     return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, t, group=group)
