@@ -16,6 +16,10 @@ of every batch, its error string rides in the batched all-gather). Every cell is
 then timed in rounds; the reported figure is the median round, in µs per request. Each
 cell's timed part is about ``--budget`` seconds (at least 3 batches), so on an idle
 2-core machine the whole run takes well under a minute.
+
+Then the floor: ``FLOOR_CALLS`` single all-gathers of one flag (``mmsched.group``'s, the
+one a text-only batch pays at tp > 1), a millisecond apart as batches of a lightly loaded
+server are, timed one by one: p50 and p99 in ms. No batch at tp > 1 can come back faster.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import numpy as np
 
 ROUNDS = 5          # timed rounds per cell (fewer, down to MIN_ROUNDS, when one batch is slow)
 MIN_ROUNDS = 3      # the reported figure is the median round
+FLOOR_CALLS = 600   # single all-gathers timed for the floor
 
 
 def _free_port() -> int:
@@ -104,13 +109,29 @@ def _worker(rank: int, world: int, port: int, batches: list[int], budget: float,
             assert bool(ours.flags.any()) == fail
             row["ratio"] = row["reference_us"] / row["batched_us"]
             rows.append(row)
+    floor = _floor(group, barrier)
     group.all_gather(barrier)
     if rank == 0:
-        out.put(rows)
+        out.put({"rows": rows, "floor": floor})
     group.close()
 
 
-def run_tp(world: int, batches: list[int], budget: float) -> list[dict]:
+def _floor(group, flag) -> dict:
+    """p50/p99 ms of one all-gather of one flag, a millisecond apart (after a warm-up)."""
+    times = []
+    for i in range(FLOOR_CALLS + 50):
+        time.sleep(0.001)
+        t0 = time.perf_counter()
+        group.all_gather(flag)
+        if i >= 50:
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {"tp": group.world, "calls": len(times), "p50_ms": times[len(times) // 2],
+            "p99_ms": times[int(len(times) * 0.99)]}
+
+
+def run_tp(world: int, batches: list[int], budget: float) -> dict:
+    """{"rows": the table's rows, "floor": one all-gather's p50/p99} for a group of ``world``."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -157,16 +178,22 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     rows: list[dict] = []
+    floors: list[dict] = []
     for world in args.tp:
-        rows += run_tp(world, args.batches, args.budget)
+        got = run_tp(world, args.batches, args.budget)
+        rows += got["rows"]
+        floors.append(got["floor"])
     rows.sort(key=lambda r: (r["failures"], r["tp"], r["batch"]))
     print(format_table(rows))
+    for f in floors:
+        print(f"floor, tp={f['tp']}: one all-gather of one flag, p50 {f['p50_ms']:.2f} ms, p99 {f['p99_ms']:.2f} ms "
+              f"({f['calls']} calls a millisecond apart)")
     print(f"({time.perf_counter() - t0:.1f} s; median of {MIN_ROUNDS}-{ROUNDS} timed rounds per cell; "
           f"{os.cpu_count()} CPUs; reference = one all_gather_object per request, "
           f"batched = one tensor all-gather per batch)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"rows": rows, "budget_s": args.budget, "cpus": os.cpu_count()}, fh, indent=2)
+            json.dump({"rows": rows, "floors": floors, "budget_s": args.budget, "cpus": os.cpu_count()}, fh, indent=2)
     return 0
 
 

@@ -11,7 +11,9 @@
 3. latency: p50/p99 in an open loop at half of mmsched's measured maximum (tp=1 and
    tp=2, text-only), against the bare ROUTER at the same rate;
 4. consensus: bench/consensus.py (per-request all_gather_object against one batched
-   all-gather), when it is there;
+   all-gather), when it is there, and its floor: one all-gather between two idle rank
+   processes, p50/p99, which every tp=2 batch pays (the tp=2 latency targets leave 1 ms
+   above the bare ROUTER for everything, this included);
 5. remote: bench/remote.py (shipping host-bound features to a rank on another host
    against one gloo broadcast of the same bytes), when it is there;
 6. sync client: bench/sync_client.py, a plain synchronous pyzmq DEALER (no asyncio, not
@@ -226,7 +228,8 @@ def sub_bench(tmp: str, name: str, args: list[str], timeout: float = 240.0) -> d
     if proc.returncode != 0 or not os.path.exists(out):
         return {"error": f"bench/{name}.py exited {proc.returncode}: {proc.stderr[-500:]}"}
     with open(out) as fh:
-        return {"rows": json.load(fh).get("rows", []), "table": proc.stdout}
+        got = json.load(fh)
+    return {"rows": got.get("rows", []), "floors": got.get("floors", []), "table": proc.stdout}
 
 
 def consensus(tmp: str, quick: bool) -> dict:
@@ -318,6 +321,11 @@ def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: d
         reason = "bench/consensus.py not present" if cons.get("missing") else cons.get("error", "not run")
         rows.append({"section": "consensus", "case": f"(placeholder: {reason})", "ours": "-", "ceiling": "-",
                      "ceiling_name": "", "ratio": None, "target": None, "verdict": ""})
+    for f in cons.get("floors", []):  # what no batch at tp > 1 can beat: beside the latency targets
+        for q in ("p50", "p99"):
+            rows.append({"section": "floor", "case": f"tp={f['tp']} one all-gather of one flag, {q}, 1 ms apart",
+                         "ours": f"{f[q + '_ms']:.2f} ms", "ceiling": "-", "ceiling_name": "two idle rank processes",
+                         "ratio": None, "target": None, "verdict": ""})
     w = max(len(r["case"]) for r in rows)
     head = (f"{'section':<12} {'case':<{w}} {'mmsched':>14} {'ceiling':>14} {'ratio':>7} {'target':>8}  "
             "ceiling is")

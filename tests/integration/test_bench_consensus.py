@@ -37,3 +37,6 @@ def test_bench_consensus_prints_a_table(tmp_path):
     assert clean64["ratio"] > 1, clean64
     printed64 = next(r for r in rows if r[1] == "64" and r[2] == "0")
     assert float(printed64[5].rstrip("x")) > 1
+    [floor] = json.loads(out.read_text())["floors"]  # one all-gather: what every tp=2 batch pays
+    assert floor["tp"] == 2 and 0 < floor["p50_ms"] <= floor["p99_ms"] and floor["calls"] >= 500
+    assert re.search(r"floor, tp=2: one all-gather of one flag, p50 [\d.]+ ms, p99 [\d.]+ ms", proc.stdout)
