@@ -131,8 +131,11 @@ class Leader:
         """Wait for work (or a heartbeat of idleness), then let the core form the batch."""
         if not self.core.has_work and not self._stop.is_set():
             self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.cfg.heartbeat_s)
+            beat = asyncio.get_running_loop().call_later(self.cfg.heartbeat_s, self._wake.set)  # or a heartbeat
+            try:  # (no wait_for: on Python 3.11 it wraps the wait in a task, at every idle batch)
+                await self._wake.wait()
+            finally:
+                beat.cancel()
         return self.core.next_batch(time.monotonic())
 
     # ------------------------------------------------------------ 2. run on every rank
