@@ -22,7 +22,7 @@ from ..lane import Lane
 from ..log import event
 from ..protocol import BAD_REQUEST, INTERNAL, UNAVAILABLE, Abort, CloseSession, Ping, Request, result
 from ..sweep import sweep_every
-from ..transport.shm import Holds
+from ..transport.shm import Holds, unlink_segment
 from ..transport.unread import release_malformed, release_unrun
 from .admission import Accept, Admission, Reply
 from .frontend import Frontend
@@ -43,7 +43,7 @@ class Leader:
         self.life = Lifecycle(cfg.shutdown_timeout)
         self.core = Admission(cfg, runner.sessions, gather_stats=world > 1, now=time.monotonic())
         self.holds = Holds()  # the admission locks: one descriptor per segment named
-        runner.is_aborted = self.core.is_aborted
+        runner.is_aborted, runner.may_unlink = self.core.is_aborted, self.holds.release
         self.frontend = Frontend(cfg)
         self.status = Status(self.core, self.life, lane, self.frontend.lost, cfg.collective_timeout,
                              runner.sessions, runner.topology, runner.counters, world)
@@ -92,7 +92,8 @@ class Leader:
             msg = protocol.decode(body, self.cfg.limits)
         except BadRequest as exc:
             header = protocol.unpack_lenient(body[0])  # reads past what made it a 400
-            self.status.unlinked_at_leader += release_malformed(header, self.cfg.limits.shm_prefix, exc.rid)
+            self.status.unlinked_at_leader += release_malformed(header, self.cfg.limits.shm_prefix, exc.rid,
+                                                                self.holds.held)
             event("bad_request", rid=exc.rid, field=exc.field, error=str(exc))
             self._carry([Reply(client, result(exc.rid, BAD_REQUEST, str(exc)))])
             return
@@ -198,11 +199,12 @@ class Leader:
         """Carry out the core's answers: release what no rank read, drop the locks, send."""
         for r in replies:
             req = r.req
-            if req is not None and r.unrun:
-                self.status.unlinked_at_leader += release_unrun(req, self.world)
             if req is not None and req.holds is not None:
-                self.holds.drop(req.holds)
+                for name in self.holds.drop(req.holds):  # a batch left it to its last holder: this one
+                    self.status.unlinked_at_leader += unlink_segment(name, req.rid, quiet_if_missing=True)
                 req.holds = None
+            if req is not None and r.unrun:  # what another request still holds stays, for that one
+                self.status.unlinked_at_leader += release_unrun(req, self.world, self.holds.held)
             self._send(r.client, r.header, req.t0 if req is not None else None)
 
     def _send(self, client: bytes, header: dict, t0: float | None) -> None:

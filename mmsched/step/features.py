@@ -83,8 +83,10 @@ def agree(group, m: Materialized) -> tuple[consensus.Verdict, list[list[int]]]:
     return verdict, mismatch
 
 
-def release(opened: list[list], unlinks: bool, counters: RankCounters) -> None:
-    """Every rank closes; the leader (``unlinks``) unlinks each owned segment once."""
+def release(opened: list[list], unlinks: bool, counters: RankCounters,
+            may_unlink: Callable[[str], bool] = lambda name: True) -> None:
+    """Every rank closes; the leader (``unlinks``) unlinks each owned segment once, unless a
+    request outside the batch still names it (``may_unlink``: that request's turn, then)."""
     seen: set[str] = set()
     for feats in opened:
         for f in feats:
@@ -92,6 +94,6 @@ def release(opened: list[list], unlinks: bool, counters: RankCounters) -> None:
             first = name is not None and name not in seen
             if first:
                 seen.add(name)
-            if f.release(unlink=unlinks and first) is False:
+            if f.release(unlink=unlinks and first and may_unlink(name)) is False:
                 counters.release_failures += 1
             counters.segments_unlinked += getattr(f, "unlinked", False)

@@ -14,6 +14,7 @@ import fcntl
 import logging
 import os
 import stat
+import threading
 
 import torch
 
@@ -111,35 +112,69 @@ def unlink_segment(name: str, rid: str | None = None, quiet_if_missing: bool = F
 class Holds:
     """The leader's shared locks on the segments of queued and running requests, so that the
     orphan sweep leaves them alone: one descriptor per segment, however many items or
-    requests name it (counted), so descriptors held never exceed the items admitted."""
+    requests name it (counted), so descriptors held never exceed the items admitted.
+
+    They also decide when a segment several requests name is unlinked: ownership passes
+    with each request, and the segment goes once, when the last of them is done with it (a
+    retry with the same segment, or another client naming it, must not take it from a
+    request still queued). A batch past its consensus unlinks what no request outside it
+    holds (``release``); what another still holds is owed to the drop of the last hold
+    (``drop`` returns those names). The loop holds and drops, the lane releases: one lock."""
 
     def __init__(self) -> None:
         self._held: dict[str, list[int]] = {}  # name -> [fd, how many holders]
+        self._owed: set[str] = set()  # released by a batch while another request held them
+        self._lock = threading.Lock()
 
     def hold(self, names: list[str]) -> list[str]:
         """Lock each segment (or count one more holder); the names held, for ``drop``."""
         held = []
-        for name in names:
-            entry = self._held.get(name)
-            if entry is None:
-                try:
-                    entry = self._held[name] = [open_segment(name), 0]
-                except (OSError, FeatureError):
-                    continue  # missing, odd or locked: the request will fail to open it, as it should
-            entry[1] += 1
-            held.append(name)
+        with self._lock:
+            for name in names:
+                entry = self._held.get(name)
+                if entry is None:
+                    try:
+                        entry = self._held[name] = [open_segment(name), 0]
+                    except (OSError, FeatureError):
+                        continue  # missing, odd or locked: the request will fail to open it, as it should
+                entry[1] += 1
+                held.append(name)
         return held
 
-    def drop(self, names: list[str]) -> None:
-        for name in names:
-            entry = self._held[name]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._held[name]
-                try:
-                    os.close(entry[0])
-                except OSError:
-                    pass
+    def drop(self, names: list[str]) -> list[str]:
+        """Drop one hold per name; the owed names whose last hold this was (unlink them now)."""
+        due = []
+        with self._lock:
+            for name in names:
+                entry = self._held[name]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._held[name]
+                    try:
+                        os.close(entry[0])
+                    except OSError:
+                        pass
+                    if name in self._owed:
+                        self._owed.discard(name)
+                        due.append(name)
+        return due
+
+    def release(self, name: str, batch: list) -> bool:
+        """Asked on the lane once ``batch`` (its requests) is past its consensus: True to
+        unlink ``name`` now, False when a request outside the batch still holds it (then
+        the drop of the last hold returns it)."""
+        in_batch = sum(r.holds.count(name) for r in batch if r.holds)
+        with self._lock:
+            entry = self._held.get(name)
+            if entry is not None and entry[1] > in_batch:
+                self._owed.add(name)
+                return False
+            return True
+
+    def held(self, name: str) -> bool:
+        """Whether a queued or running request holds segment ``name``."""
+        with self._lock:
+            return name in self._held
 
     def __len__(self) -> int:
         """Descriptors held."""
