@@ -249,7 +249,7 @@ def launch_group(cfg: Config, argv: list[str]) -> int:
             bad = [c for c in codes if c != 0]
             event("group_exited", codes=",".join(map(str, codes)))
             _ignore_late_signals()
-            return bad[0] if bad else 0
+            return (128 - bad[0] if bad[0] < 0 else bad[0]) if bad else 0  # a rank killed by signal N: 128+N, as a shell says
         if failed_at is None and any(c not in (None, 0) for c in codes):
             failed_at = time.monotonic()
             event("rank_exited", logging.ERROR, codes=",".join(str(c) for c in codes))

@@ -80,6 +80,12 @@ class Admission:
             return BAD_REQUEST, "rid: already in flight for this client"
         if unavailable:
             return UNAVAILABLE, f"service unavailable: {unavailable}"
+        if req.feature_bytes > self.cfg.max_inflight_bytes:  # alone over a bound: no retry would help
+            return BAD_REQUEST, (f"mm_items: {req.feature_bytes} feature bytes exceed max_inflight_bytes="
+                                 f"{self.cfg.max_inflight_bytes}, more than this server ever holds at once")
+        if len(req.items) > self.cfg.max_queued_items:
+            return BAD_REQUEST, (f"mm_items: {len(req.items)} items exceed max_queued_items="
+                                 f"{self.cfg.max_queued_items}, more than this server ever holds at once")
         if len(self.queue) >= self.cfg.max_queue:
             return UNAVAILABLE, f"overloaded: {len(self.queue)} requests queued (max_queue)"
         if self.feature_bytes_held + req.feature_bytes > self.cfg.max_inflight_bytes:

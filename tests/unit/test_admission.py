@@ -76,6 +76,16 @@ def test_overload_by_queue_bytes_and_items_is_a_503_naming_the_setting():
     assert c.items_held == 2 and c.feature_bytes_held == 2, "a refused request holds nothing"
 
 
+def test_a_request_no_idle_server_could_hold_is_a_400_not_a_503_to_retry():
+    """Outside attack: one request over max_inflight_bytes on an idle server was told to back
+    off and retry (503), which could never succeed."""
+    c = core()
+    refused(c.admit(req("big", items=[item(101)])), BAD_REQUEST, "101 feature bytes exceed max_inflight_bytes=100")
+    refused(c.admit(req("many", items=[item(1)] * 4)), BAD_REQUEST, "4 items exceed max_queued_items=3")
+    assert isinstance(c.admit(req("edge", items=[item(97), item(1), item(1)])), Accept), "at both bounds: queued"
+    assert c.feature_bytes_held == 99 and c.items_held == 3
+
+
 def test_a_session_ref_the_session_does_not_hold_is_a_400():
     c = core()
     bad = Item(0, "image", "session", "uint8", (4,), 4, ref="img")
