@@ -22,7 +22,7 @@ from ..lane import Lane
 from ..log import event
 from ..protocol import BAD_REQUEST, INTERNAL, UNAVAILABLE, Abort, CloseSession, Ping, Request, result
 from ..sweep import sweep_every
-from ..transport.shm import Holds, unlink_segment
+from ..transport.shm import Holds
 from ..transport.unread import release_malformed, release_unrun
 from .admission import Accept, Admission, Reply
 from .frontend import Frontend
@@ -43,7 +43,7 @@ class Leader:
         self.life = Lifecycle(cfg.shutdown_timeout)
         self.core = Admission(cfg, runner.sessions, gather_stats=world > 1, now=time.monotonic())
         self.holds = Holds()  # the admission locks: one descriptor per segment named
-        runner.is_aborted, runner.may_unlink = self.core.is_aborted, self.holds.release
+        runner.is_aborted, runner.segment_owner = self.core.is_aborted, self.holds.release
         self.frontend = Frontend(cfg)
         self.status = Status(self.core, self.life, lane, self.frontend.lost, cfg.collective_timeout,
                              runner.sessions, runner.topology, runner.counters, world)
@@ -93,7 +93,7 @@ class Leader:
         except BadRequest as exc:
             header = protocol.unpack_lenient(body[0])  # reads past what made it a 400
             self.status.unlinked_at_leader += release_malformed(header, self.cfg.limits.shm_prefix, exc.rid,
-                                                                self.holds.held)
+                                                                self.holds.unlink_unheld)
             event("bad_request", rid=exc.rid, field=exc.field, error=str(exc))
             self._carry([Reply(client, result(exc.rid, BAD_REQUEST, str(exc)))])
             return
@@ -199,12 +199,11 @@ class Leader:
         """Carry out the core's answers: release what no rank read, drop the locks, send."""
         for r in replies:
             req = r.req
-            if req is not None and req.holds is not None:
-                for name in self.holds.drop(req.holds):  # a batch left it to its last holder: this one
-                    self.status.unlinked_at_leader += unlink_segment(name, req.rid, quiet_if_missing=True)
+            if req is not None and req.holds is not None:  # a batch may have left a segment to this holder
+                self.status.unlinked_at_leader += self.holds.drop(req.holds, req.rid)
                 req.holds = None
             if req is not None and r.unrun:  # what another request still holds stays, for that one
-                self.status.unlinked_at_leader += release_unrun(req, self.world, self.holds.held)
+                self.status.unlinked_at_leader += release_unrun(req, self.world, self.holds.unlink_unheld)
             self._send(r.client, r.header, req.t0 if req is not None else None)
 
     def _send(self, client: bytes, header: dict, t0: float | None) -> None:

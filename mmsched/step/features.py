@@ -84,9 +84,10 @@ def agree(group, m: Materialized) -> tuple[consensus.Verdict, list[list[int]]]:
 
 
 def release(opened: list[list], unlinks: bool, counters: RankCounters,
-            may_unlink: Callable[[str], bool] = lambda name: True) -> None:
+            owner: Callable[[str, Callable[[bool], bool]], bool] = lambda name, close: close(True)) -> None:
     """Every rank closes; the leader (``unlinks``) unlinks each owned segment once, unless a
-    request outside the batch still names it (``may_unlink``: that request's turn, then)."""
+    request outside the batch still holds it (``owner`` decides, then closes: that
+    request's turn to unlink it, later)."""
     seen: set[str] = set()
     for feats in opened:
         for f in feats:
@@ -94,6 +95,8 @@ def release(opened: list[list], unlinks: bool, counters: RankCounters,
             first = name is not None and name not in seen
             if first:
                 seen.add(name)
-            if f.release(unlink=unlinks and first and may_unlink(name)) is False:
+            ok = owner(name, lambda unlink, f=f: f.release(unlink=unlink)) if unlinks and first \
+                else f.release(unlink=False)
+            if ok is False:
                 counters.release_failures += 1
             counters.segments_unlinked += getattr(f, "unlinked", False)

@@ -15,6 +15,7 @@ import logging
 import os
 import stat
 import threading
+from typing import Callable
 
 import torch
 
@@ -114,17 +115,20 @@ class Holds:
     orphan sweep leaves them alone: one descriptor per segment, however many items or
     requests name it (counted), so descriptors held never exceed the items admitted.
 
-    They also decide when a segment several requests name is unlinked: ownership passes
-    with each request, and the segment goes once, when the last of them is done with it (a
-    retry with the same segment, or another client naming it, must not take it from a
-    request still queued). A batch past its consensus unlinks what no request outside it
-    holds (``release``); what another still holds is owed to the drop of the last hold
-    (``drop`` returns those names). The loop holds and drops, the lane releases: one lock."""
+    They also own the leader's unlinks, so that a segment several requests name goes once,
+    when the last of them is done with it (a retry with the same segment, or another
+    client naming it, must not take it from a request still queued). A batch past its
+    consensus unlinks what no request outside it holds (``release``), else the drop of the
+    last hold does (``drop``); a request no rank read unlinks what nobody holds
+    (``unlink_unheld``). Each decision and its unlink happen under one lock that ``hold``
+    takes too: a request admitted meanwhile either holds the segment first (and keeps it)
+    or finds it gone (a 500: it named a segment mmsched had taken)."""
 
     def __init__(self) -> None:
         self._held: dict[str, list[int]] = {}  # name -> [fd, how many holders]
         self._owed: set[str] = set()  # released by a batch while another request held them
-        self._lock = threading.Lock()
+        self._gone: set[str] = set()  # unlinked by a batch whose requests still hold them
+        self._lock = threading.Lock()  # the loop holds and drops, the lane releases
 
     def hold(self, names: list[str]) -> list[str]:
         """Lock each segment (or count one more holder); the names held, for ``drop``."""
@@ -137,44 +141,51 @@ class Holds:
                         entry = self._held[name] = [open_segment(name), 0]
                     except (OSError, FeatureError):
                         continue  # missing, odd or locked: the request will fail to open it, as it should
+                elif name in self._gone:
+                    continue  # a batch that read it unlinked it: this request will not find it either
                 entry[1] += 1
                 held.append(name)
         return held
 
-    def drop(self, names: list[str]) -> list[str]:
-        """Drop one hold per name; the owed names whose last hold this was (unlink them now)."""
-        due = []
+    def drop(self, names: list[str], rid: str | None = None) -> int:
+        """Drop one hold per name, unlinking what a batch left to its last holder; the number unlinked."""
+        unlinked = 0
         with self._lock:
             for name in names:
                 entry = self._held[name]
                 entry[1] -= 1
                 if entry[1] == 0:
                     del self._held[name]
+                    self._gone.discard(name)
                     try:
                         os.close(entry[0])
                     except OSError:
                         pass
                     if name in self._owed:
                         self._owed.discard(name)
-                        due.append(name)
-        return due
+                        unlinked += unlink_segment(name, rid, quiet_if_missing=True)
+        return unlinked
 
-    def release(self, name: str, batch: list) -> bool:
-        """Asked on the lane once ``batch`` (its requests) is past its consensus: True to
-        unlink ``name`` now, False when a request outside the batch still holds it (then
-        the drop of the last hold returns it)."""
+    def release(self, name: str, batch: list, close: Callable[[bool], bool]) -> bool:
+        """On the lane, once ``batch`` (its requests) is past its consensus: ``close(unlink)``
+        the feature reading ``name``, unlinking it unless a request outside the batch holds
+        it (then the drop of the last hold does). ``close``'s result."""
         in_batch = sum(r.holds.count(name) for r in batch if r.holds)
         with self._lock:
             entry = self._held.get(name)
-            if entry is not None and entry[1] > in_batch:
+            kept = entry is not None and entry[1] > in_batch
+            if kept:
                 self._owed.add(name)
-                return False
-            return True
+            elif entry is not None:
+                self._owed.discard(name)  # an earlier batch left it to this one
+                self._gone.add(name)  # until its holders are answered, a newcomer does not hold it
+            return close(not kept)
 
-    def held(self, name: str) -> bool:
-        """Whether a queued or running request holds segment ``name``."""
+    def unlink_unheld(self, names: list[str], rid: str | None = None) -> int:
+        """Unlink the segments of a request no rank read, but none a queued or running request
+        holds (the last of those unlinks it); the number unlinked."""
         with self._lock:
-            return name in self._held
+            return sum(unlink_segment(n, rid, quiet_if_missing=True) for n in names if n not in self._held)
 
     def __len__(self) -> int:
         """Descriptors held."""

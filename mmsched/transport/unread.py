@@ -14,24 +14,27 @@ from ..protocol import Request, owned_segments
 from .cuda_ipc import acknowledge
 from .shm import unlink_segment
 
+Unlink = Callable[[list[str], "str | None"], int]  # (names, rid) -> how many it unlinked
 
-def release_unrun(req: Request, world: int, named_elsewhere: Callable[[str], bool] = lambda name: False) -> int:
+
+def unlink_all(names: list[str], rid: str | None = None) -> int:
+    return sum(unlink_segment(name, rid, quiet_if_missing=True) for name in names)
+
+
+def release_unrun(req: Request, world: int, unlink: Unlink = unlink_all) -> int:
     """Unlink ``req``'s owned segments and ack its cuda_ipc slots for all ``world`` ranks;
-    never raises. Returns the segments this call unlinked. A segment another queued or
-    running request still names (``named_elsewhere``) is left to that request: ownership
-    passes with each request, and the last one that holds it unlinks it."""
-    unlinked = sum(unlink_segment(name, req.rid, quiet_if_missing=True)
-                   for name in req.owned_segments if not named_elsewhere(name))
+    never raises. Returns the segments this call unlinked. The leader passes
+    ``Holds.unlink_unheld``: a segment another queued or running request holds is left to
+    that request (ownership passes with each request; the last one unlinks it)."""
+    unlinked = unlink(req.owned_segments, req.rid)
     for it in req.items:
         if it.transport == "cuda_ipc":
             acknowledge(it, range(world), req.rid)
     return unlinked
 
 
-def release_malformed(header, prefix: str, rid: str | None,
-                      named_elsewhere: Callable[[str], bool] = lambda name: False) -> int:
+def release_malformed(header, prefix: str, rid: str | None, unlink: Unlink = unlink_all) -> int:
     """A message refused at decoding: unlink the owned segments its raw header names
-    (``protocol.owned_segments``, which never touches a name outside ``prefix``), but none
-    that a queued or running request names (``named_elsewhere``)."""
-    return sum(unlink_segment(name, rid, quiet_if_missing=True)
-               for name in owned_segments(header, prefix) if not named_elsewhere(name))
+    (``protocol.owned_segments``, which never touches a name outside ``prefix``), as
+    ``release_unrun`` does."""
+    return unlink(owned_segments(header, prefix), rid)
