@@ -67,6 +67,7 @@ image:
 # Builds the image, then serves from it as compose would and drives it from this host
 # (tests/image/test_image.py; several minutes). Takes the variables of `make image`.
 image-test: install
+	@test -n "$(ENGINE)" || { echo "make image-test: needs docker with a running daemon, or podman (apt-get install podman)" >&2; exit 1; }
 	MMSCHED_IMAGE_TEST=1 IMAGE=$(IMAGE) ENGINE=$(ENGINE) BASE_IMAGE=$(BASE_IMAGE) \
 	  TORCH_INDEX_URL=$(TORCH_INDEX_URL) TORCH_WHEELS=$(TORCH_WHEELS) \
 	  $(BIN)/python -m pytest -q -s -m slow tests/image $(ARGS)
