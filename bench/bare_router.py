@@ -73,6 +73,11 @@ def serve(address: str, max_seconds: float, shm_prefix: str = "mmsched_") -> int
             answered += 1
     sock.close(0)
     ctx.term()
+    if address.startswith("ipc://"):  # libzmq leaves the socket file behind
+        try:
+            os.unlink(address[len("ipc://"):])
+        except FileNotFoundError:
+            pass
     print(f"answered {answered}", flush=True)
     return 0
 

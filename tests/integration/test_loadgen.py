@@ -179,6 +179,7 @@ def test_verify_checks_every_200_against_the_bytes_sent(shared_server, tmp_path)
         bare.terminate()
         bare.wait(10)
         bare.stdout.close()
+    assert not os.path.exists(addr[len("ipc://"):]), "the bare router left its socket file in /tmp"
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL: 200s with bytes that were not sent" in proc.stdout
     s = json.loads(out.read_text())["summary"]
