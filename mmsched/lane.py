@@ -30,6 +30,8 @@ class Lane:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._on_start = on_start
         self.inside_call = False  # the thread is running a call (maybe stuck in gloo) right now
+        self._running: asyncio.Future | None = None  # that call's future (lane thread only)
+        self._progressed: tuple[asyncio.Future | None, float] = (None, 0.0)  # (call, when), by ``progress``
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -46,14 +48,14 @@ class Lane:
             if self.broken:  # a call queued behind the one that broke the group never runs
                 self._settle_from_thread(loop, fut, None, GroupBroken(self.broken), _name(fn))
                 continue
-            self.inside_call = True
+            self.inside_call, self._running = True, fut
             try:
                 result, error = fn(*args), None
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
                 self.broken = self.broken or f"collective {_name(fn)} raised {describe(exc)}"
                 result, error = None, exc
             finally:
-                self.inside_call = False
+                self.inside_call, self._running = False, None
             self._settle_from_thread(loop, fut, result, error, _name(fn))
 
     def _settle_from_thread(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any,
@@ -79,17 +81,30 @@ class Lane:
             return fut
         name = _name(fn)
         deadline = self.timeout_s if timeout_s is None else timeout_s
-        timer = loop.call_later(deadline, self._overran, fut, name, deadline)
-        fut.add_done_callback(lambda _: timer.cancel())
+        timers: list[asyncio.TimerHandle] = []  # the deadline's timer, re-armed after progress
+        timers.append(loop.call_later(deadline, self._overran, fut, name, deadline, timers))
+        fut.add_done_callback(lambda _: timers[-1].cancel())
         self.busy_since = time.monotonic()
         self._jobs.put((loop, fut, fn, args))
         return fut
 
-    def _overran(self, fut: asyncio.Future, name: str, deadline: float) -> None:
-        if not fut.done():
-            self.broken = f"collective {name} passed its {deadline:g}s deadline"
-            self.busy_since = None
-            fut.set_exception(GroupBroken(self.broken))
+    def progress(self) -> None:
+        """On the lane thread, inside a call that loops (a follower's batches): one unit of its
+        work is done, so that call's deadline runs again from now; /health's ``stuck_for`` too."""
+        self._progressed = (self._running, time.monotonic())
+        self.busy_since = self._progressed[1]
+
+    def _overran(self, fut: asyncio.Future, name: str, deadline: float, timers: list) -> None:
+        if fut.done():
+            return
+        call, at = self._progressed
+        left = at + deadline - time.monotonic() if call is fut else 0.0
+        if left > 0:  # this call reported progress since the timer was set: wait the rest
+            timers.append(asyncio.get_running_loop().call_later(left, self._overran, fut, name, deadline, timers))
+            return
+        self.broken = f"collective {name} passed its {deadline:g}s deadline"
+        self.busy_since = None
+        fut.set_exception(GroupBroken(self.broken))
 
     def _settle(self, fut: asyncio.Future, result: Any, error: BaseException | None, name: str) -> None:
         """On the loop: the call's outcome, unless the deadline (or the caller) came first."""

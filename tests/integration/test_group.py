@@ -364,6 +364,30 @@ async def test_collective_past_its_deadline_breaks_the_group(private_server):
     assert my_segments() == set()
 
 
+async def test_a_follower_serving_longer_than_its_deadline_stays_in_the_group(private_server):
+    """The follower runs batch after batch inside one lane call; each batch done restarts
+    that call's deadline. Batches and idle heartbeats for four times the deadline: every
+    request a 200 with the client's bytes on both ranks, and the group still healthy."""
+    srv = private_server("--tp", "2", "--collective-timeout", "1")  # follower deadline 1.25 s
+    pids = srv.rank_pids()
+    end = time.monotonic() + 5.0
+    n = 0
+    async with Client(srv.addr) as c:
+        while time.monotonic() < end:
+            t = feature(900 + n)
+            r = await c.embed([n, 1], [shm(t)], want_digest=True, timeout=10)
+            assert r.status == 200 and r.meta["ranks"] == 2, (n, r)
+            assert r.meta["digests"] == [sha256_of(t)], n
+            n += 1
+            await asyncio.sleep(0.6 if n % 10 == 0 else 0.01)  # idle spells: the heartbeats carry on
+        pong = await c.ping(timeout=5)
+    assert n >= 50, n
+    assert pong["healthy"] is True and pong["ranks"] == 2, pong
+    assert all(alive(p) for p in pids)
+    assert "group_broken" not in srv.logs(), srv.logs()[-3000:]
+    assert my_segments() == set()
+
+
 # ---------------------------------------------------------------- signals
 
 async def test_follower_ignores_signals_and_launcher_sigterm_exits_zero(private_server):

@@ -82,3 +82,54 @@ def test_start_queues_the_call_before_the_caller_yields():
 
     asyncio.run(scenario())
     lane.close()
+
+
+def test_a_call_that_reports_progress_keeps_a_deadline_per_unit_of_work():
+    """A follower runs batch after batch in one lane call: each batch done restarts the
+    deadline, so a long run of quick batches never trips it, but one batch that stalls
+    (a leader gone mid-batch) still breaks the group within the deadline."""
+    lane, stall = Lane(0.3), threading.Event()
+    units = []
+
+    def batches():
+        for i in range(12):  # 12 x 0.1 s: four times the deadline in all
+            time.sleep(0.1)
+            units.append(i)
+            lane.progress()
+        stall.wait(30)  # the 13th never ends
+
+    async def scenario():
+        t0 = time.monotonic()
+        with pytest.raises(GroupBroken, match="passed its 0.3s deadline"):
+            await lane.run(batches)
+        took = time.monotonic() - t0
+        assert units == list(range(12)), "every unit ran under the restarted deadline"
+        assert 1.2 + 0.3 - 0.05 < took < 1.2 + 0.3 + 1.0, f"broke {took:.2f}s in: one deadline after the last unit"
+
+    asyncio.run(scenario())
+    stall.set()
+    lane.close()
+
+
+def test_progress_of_one_call_does_not_extend_the_deadline_of_another():
+    """The leader queues batch k+1 while k runs, each with its own deadline from when it was
+    queued: the running call's progress moves its own deadline only."""
+    lane = Lane(0.3)
+
+    def busy():
+        for _ in range(10):  # 1 s of progress every 0.1 s
+            time.sleep(0.1)
+            lane.progress()
+        return "done"
+
+    async def scenario():
+        running = lane.start(busy)
+        queued = lane.start(lambda: "late")
+        t0 = time.monotonic()
+        with pytest.raises(GroupBroken, match="<lambda> passed its 0.3s deadline"):
+            await queued
+        assert time.monotonic() - t0 < 0.8, "the queued call kept its own deadline"
+        assert await running == "done", "the running call's progress kept it alive"
+
+    asyncio.run(scenario())
+    lane.close()
