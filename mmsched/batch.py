@@ -20,7 +20,7 @@ from .protocol.batch import Batch
 from .remote import Topology
 from .sessions import Pending, SessionStore
 from .step.engine_step import FlaggedGather, engine_requests, run_engine
-from .step.features import Materialized, agree, materialize, release
+from .step.features import Materialized, Owner, agree, materialize, release, unlink_always
 from .step.forward import forwarding
 from .step.outcome import Failed, Gate, Ok, Outcome, decide, render
 from .transport import Transports
@@ -45,8 +45,8 @@ class BatchRunner:
         self.group, self.engine, self.faults, self.stall_s = group, engine, faults, stall_s
         self.topology = topology or Topology.single()
         self.unlinks, self.sessions, self.is_aborted = unlinks, sessions, is_aborted
-        # the leader's Holds.release: unlink a segment this batch read now, or leave it to a later holder
-        self.segment_owner: Callable[..., bool] = lambda name, reqs, close: close(True)
+        # the leader's Holds.owner: per batch, unlink a segment it read now, or leave it to a later holder
+        self.segment_owner: Callable[[list[Request]], Owner] = lambda reqs: unlink_always
         self.counters = RankCounters()
         self.transports = transports or Transports(group.rank, group.world, faults)  # this rank's caches
         self.forwarding = forwarding(self.topology, self.transports)
@@ -78,8 +78,7 @@ class BatchRunner:
         m = materialize(reqs, opened, self.faults, self.stall_s, self.is_aborted, self.counters)  # 2.
         self.forwarding.ship(reqs, m, self.counters)                  # 2b. to ranks on other hosts
         gate, seconds = self._agree(reqs, m)                          # 3. agree: the barrier before unlinks
-        release(opened, self.unlinks, self.counters,                  # 4. release
-                lambda name, close: self.segment_owner(name, reqs, close))
+        release(opened, self.unlinks, self.counters, self.segment_owner(reqs))  # 4. release
         outcomes, engine_s = self._step(reqs, m, gate)                # 5. engine, its failures agreed
         self._keep(reqs, m, outcomes)                                 # 6. sessions keep what succeeded
         for i, msg in m.errors.items():

@@ -81,9 +81,9 @@ class Lane:
             return fut
         name = _name(fn)
         deadline = self.timeout_s if timeout_s is None else timeout_s
-        timers: list[asyncio.TimerHandle] = []  # the deadline's timer, re-armed after progress
-        timers.append(loop.call_later(deadline, self._overran, fut, name, deadline, timers))
-        fut.add_done_callback(lambda _: timers[-1].cancel())
+        timer: list[asyncio.TimerHandle] = []  # one slot: the deadline's timer, replaced when re-armed
+        timer.append(loop.call_later(deadline, self._overran, fut, name, deadline, timer))
+        fut.add_done_callback(lambda _: timer[0].cancel())
         self.busy_since = time.monotonic()
         self._jobs.put((loop, fut, fn, args))
         return fut
@@ -94,13 +94,13 @@ class Lane:
         self._progressed = (self._running, time.monotonic())
         self.busy_since = self._progressed[1]
 
-    def _overran(self, fut: asyncio.Future, name: str, deadline: float, timers: list) -> None:
+    def _overran(self, fut: asyncio.Future, name: str, deadline: float, timer: list) -> None:
         if fut.done():
             return
         call, at = self._progressed
         left = at + deadline - time.monotonic() if call is fut else 0.0
         if left > 0:  # this call reported progress since the timer was set: wait the rest
-            timers.append(asyncio.get_running_loop().call_later(left, self._overran, fut, name, deadline, timers))
+            timer[0] = asyncio.get_running_loop().call_later(left, self._overran, fut, name, deadline, timer)
             return
         self.broken = f"collective {name} passed its {deadline:g}s deadline"
         self.busy_since = None

@@ -83,8 +83,15 @@ def agree(group, m: Materialized) -> tuple[consensus.Verdict, list[list[int]]]:
     return verdict, mismatch
 
 
-def release(opened: list[list], unlinks: bool, counters: RankCounters,
-            owner: Callable[[str, Callable[[bool], bool]], bool] = lambda name, close: close(True)) -> None:
+Owner = Callable[[str, Callable[[bool], bool]], bool]  # (segment name, close(unlink)) -> close's result
+
+
+def unlink_always(name: str, close: Callable[[bool], bool]) -> bool:
+    """The owner where no request outside the batch can hold a segment: unlink it now."""
+    return close(True)
+
+
+def release(opened: list[list], unlinks: bool, counters: RankCounters, owner: Owner = unlink_always) -> None:
     """Every rank closes; the leader (``unlinks``) unlinks each owned segment once, unless a
     request outside the batch still holds it (``owner`` decides, then closes: that
     request's turn to unlink it, later)."""

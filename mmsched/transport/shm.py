@@ -15,6 +15,7 @@ import logging
 import os
 import stat
 import threading
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -118,7 +119,7 @@ class Holds:
     They also own the leader's unlinks, so that a segment several requests name goes once,
     when the last of them is done with it (a retry with the same segment, or another
     client naming it, must not take it from a request still queued). A batch past its
-    consensus unlinks what no request outside it holds (``release``), else the drop of the
+    consensus unlinks what no request outside it holds (``owner``), else the drop of the
     last hold does (``drop``); a request no rank read unlinks what nobody holds
     (``unlink_unheld``). Each decision and its unlink happen under one lock that ``hold``
     takes too: a request admitted meanwhile either holds the segment first (and keeps it)
@@ -166,11 +167,15 @@ class Holds:
                         unlinked += unlink_segment(name, rid, quiet_if_missing=True)
         return unlinked
 
-    def release(self, name: str, batch: list, close: Callable[[bool], bool]) -> bool:
-        """On the lane, once ``batch`` (its requests) is past its consensus: ``close(unlink)``
-        the feature reading ``name``, unlinking it unless a request outside the batch holds
-        it (then the drop of the last hold does). ``close``'s result."""
-        in_batch = sum(r.holds.count(name) for r in batch if r.holds)
+    def owner(self, batch: list) -> Callable[[str, Callable[[bool], bool]], bool]:
+        """For ``step.features.release`` on the lane, once ``batch`` (its requests) is past its
+        consensus: ``owner(name, close)`` calls ``close(unlink)`` on the feature reading
+        ``name``, unlinking it unless a request outside the batch holds it (then the drop of
+        the last hold does), and returns ``close``'s result. The batch's holds are counted once."""
+        in_batch = Counter(name for r in batch if r.holds for name in r.holds)
+        return lambda name, close: self._release(name, in_batch[name], close)
+
+    def _release(self, name: str, in_batch: int, close: Callable[[bool], bool]) -> bool:
         with self._lock:
             entry = self._held.get(name)
             kept = entry is not None and entry[1] > in_batch

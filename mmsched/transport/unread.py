@@ -12,16 +12,11 @@ from typing import Callable
 
 from ..protocol import Request, owned_segments
 from .cuda_ipc import acknowledge
-from .shm import unlink_segment
 
 Unlink = Callable[[list[str], "str | None"], int]  # (names, rid) -> how many it unlinked
 
 
-def unlink_all(names: list[str], rid: str | None = None) -> int:
-    return sum(unlink_segment(name, rid, quiet_if_missing=True) for name in names)
-
-
-def release_unrun(req: Request, world: int, unlink: Unlink = unlink_all) -> int:
+def release_unrun(req: Request, world: int, unlink: Unlink) -> int:
     """Unlink ``req``'s owned segments and ack its cuda_ipc slots for all ``world`` ranks;
     never raises. Returns the segments this call unlinked. The leader passes
     ``Holds.unlink_unheld``: a segment another queued or running request holds is left to
@@ -33,7 +28,7 @@ def release_unrun(req: Request, world: int, unlink: Unlink = unlink_all) -> int:
     return unlinked
 
 
-def release_malformed(header, prefix: str, rid: str | None, unlink: Unlink = unlink_all) -> int:
+def release_malformed(header, prefix: str, rid: str | None, unlink: Unlink) -> int:
     """A message refused at decoding: unlink the owned segments its raw header names
     (``protocol.owned_segments``, which never touches a name outside ``prefix``), as
     ``release_unrun`` does."""

@@ -62,7 +62,7 @@ def test_a_segment_two_requests_name_is_unlinked_by_whichever_is_done_last():
     try:
         first = Req(holds.hold([seg.name, seg.name]))  # one request naming it in two items
         second = Req(holds.hold([seg.name]))           # queued behind, naming it too
-        assert holds.release(seg.name, [first], close) is True and closed == [False]
+        assert holds.owner([first])(seg.name, close) is True and closed == [False]
         assert holds.unlink_unheld([seg.name]) == 0, "a request no rank read leaves a held segment alone"
         assert holds.drop(first.holds) == 0 and linked(seg)
         assert holds.drop(second.holds) == 1 and not linked(seg), "the last hold's drop unlinks it"
@@ -77,7 +77,7 @@ def test_a_batch_holding_every_hold_unlinks_at_once_and_an_unheld_segment_goes_w
     holds = Holds()
     try:
         only = Req(holds.hold([seg.name]))
-        assert holds.release(seg.name, [only], lambda unlink: unlink) is True, "told to unlink: nobody else holds it"
+        assert holds.owner([only])(seg.name, lambda unlink: unlink) is True, "told to unlink: nobody else holds it"
         assert holds.drop(only.holds) == 0, "nothing owed: the batch unlinked it"
         assert holds.unlink_unheld([lone.name]) == 1 and not linked(lone)
     finally:
@@ -110,7 +110,7 @@ def test_a_request_admitted_while_a_batch_decides_either_holds_first_or_finds_th
     t = threading.Thread(target=admit)
     t.start()
     try:
-        holds.release(seg.name, [first], close)
+        holds.owner([first])(seg.name, close)
         t.join(5)
         assert got["held"] == [], "it held a segment the batch was unlinking"
         assert holds.drop(first.holds) == 0 and len(holds) == 0
