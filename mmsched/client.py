@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from .producers.features import Feature, Held, cuda_ipc, inline, pooled, raw, ref, shm
 from . import protocol
@@ -54,6 +55,8 @@ class Client:
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
+        self._monitor: zmq.Socket | None = None  # the DEALER's disconnect events
+        self._lost = False
         self._results: dict[str, asyncio.Future] = {}
         self._pongs: deque[asyncio.Future] = deque()
         self._acks: dict[str, deque[asyncio.Future]] = {}
@@ -68,6 +71,7 @@ class Client:
             from .auth import secure_client
 
             secure_client(self._sock, *self._curve)
+        self._monitor = _disconnect_monitor(self._sock, self._ctx, self._tag)
         self._sock.connect(self.address)
         self._reader = asyncio.ensure_future(self._read())
         return self
@@ -81,8 +85,12 @@ class Client:
             await asyncio.gather(self._reader, return_exceptions=True)
             self._reader = None
         if self._sock is not None:
+            self._sock.disable_monitor()
             self._sock.close(linger=0)
             self._sock = None
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
         for held in self._held.values():
             held.unlock()
         self._held.clear()
@@ -93,6 +101,14 @@ class Client:
         self._results.clear()
         self._pongs.clear()
         self._acks.clear()
+
+    def connection_lost(self) -> bool:
+        """Whether the server has closed this client's connection (it stopped, or the link
+        broke); checked without blocking, and True from then on. What is sent afterwards is
+        read by nobody, and a ROUTER drops the replies to a peer that left."""
+        while not self._lost and self._monitor is not None and self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._lost = parse_monitor_message(self._monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED
+        return self._lost
 
     # ------------------------------------------------------------ requests
     def new_rid(self) -> str:
@@ -242,3 +258,13 @@ def _drain(sock: zmq.Socket, limit: int) -> list[list]:
 
 def _ids_bin(ids) -> bytes:
     return np.ascontiguousarray(np.asarray(ids), dtype="<i4").tobytes()
+
+
+def _disconnect_monitor(sock: zmq.Socket, ctx: zmq.Context, tag: str) -> zmq.Socket:
+    """A sync PAIR socket receiving ``sock``'s disconnect events (set before it connects)."""
+    addr = f"inproc://mmsched-client-monitor-{tag}"
+    sock.monitor(addr, zmq.EVENT_DISCONNECTED)
+    pair = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
+    pair.linger = 0
+    pair.connect(addr)
+    return pair

@@ -39,9 +39,10 @@ broadcast to every rank with the batch); ``cuda_ipc`` for features already on a 
 mapping: for big features (16 MiB: see bench/materialize.py), ranks on the client's host.
 
 When the server goes away (a 503 ``service unavailable: …``: draining, stopped, group
-broken; or no pong for ``GONE_S``), the generator stops sending at once: requests sent
-into a socket nobody reads would be lost results and segments nobody unlinks. With no
-pong at the start it sends nothing and says so.
+broken; the server closing the connection; or no pong for ``GONE_S``), the generator stops
+sending at once: requests sent into a socket nobody reads would be lost results and
+segments nobody unlinks (those it sent anyway it unlinks itself, after counting them).
+With no pong at the start it sends nothing and says so.
 
 Segments: the prefixed segments in /dev/shm are listed before and after. Segments this
 process created (``<prefix><pid>_…``) and that are still there at the end are a leak;

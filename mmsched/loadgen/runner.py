@@ -85,7 +85,7 @@ def _open_pools(spec: LoadSpec, client: Client, ranks: int, pools: list) -> None
 async def _send_phase(spec: LoadSpec, r: Run, notes: list[str]) -> float:
     """The loop, then at most ``drain_s`` for the results outstanding; returns the run's elapsed seconds."""
     progress = asyncio.ensure_future(_progress(r)) if spec.progress else None
-    watch = asyncio.ensure_future(r.watch())
+    watch = asyncio.gather(r.watch(), r.watch_connection())
     r.t0 = time.perf_counter()
     r.send_until = r.t0 + spec.duration
     try:
@@ -124,6 +124,9 @@ async def _wind_up(r: Run, notes: list[str]) -> None:
 
 def _report(spec: LoadSpec, r: Run, elapsed: float, before: set[str], notes: list[str]) -> Report:
     leaked = _leaked(before, spec.shm_prefix)
+    if leaked and r.server_left:  # counted, then removed: nobody else will (a restarted server's sweep might)
+        removed = sum(_unlink(n) for n in leaked)
+        notes.append(f"note: removed {removed} segment(s) of requests the server never answered (it went away)")
     after = list_segments(spec.shm_prefix)
     segments = {"before": len(before), "after": len(after), "leaked": leaked,
                 "others_appeared": len(after - before) - len(leaked)}
@@ -150,6 +153,14 @@ def list_segments(prefix: str) -> set[str]:
         return {n for n in os.listdir(SHM_DIR) if n.startswith(prefix)}
     except OSError:
         return set()
+
+
+def _unlink(name: str) -> bool:
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def _leaked(before: set[str], prefix: str, wait_s: float = 1.0) -> list[str]:
