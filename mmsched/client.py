@@ -55,8 +55,9 @@ class Client:
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
-        self._monitor: zmq.Socket | None = None  # the DEALER's disconnect events
-        self._lost = False
+        self._monitor: zmq.Socket | None = None  # the DEALER's connection events (a PAIR socket)
+        self._read_events: zmq.Socket | None = None  # its sync view: read without a future
+        self._connected = self._lost = False
         self._results: dict[str, asyncio.Future] = {}
         self._pongs: deque[asyncio.Future] = deque()
         self._acks: dict[str, deque[asyncio.Future]] = {}
@@ -67,12 +68,21 @@ class Client:
     async def __aenter__(self) -> "Client":
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # Replies the reader has not taken yet wait in ZeroMQ, not in the kernel: at the default
+        # 1000, a busy client's I/O thread stops reading, and so misses the server closing.
+        self._sock.setsockopt(zmq.RCVHWM, 100_000)
         if self._curve is not None:
             from .auth import secure_client
 
             secure_client(self._sock, *self._curve)
-        self._monitor = _disconnect_monitor(self._sock, self._ctx, self._tag)
-        self._sock.connect(self.address)
+        self._connected = self._lost = False
+        try:
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            self._read_events = zmq.Socket.shadow(self._monitor.underlying)
+            self._sock.connect(self.address)
+        except BaseException:
+            await self.close()
+            raise
         self._reader = asyncio.ensure_future(self._read())
         return self
 
@@ -84,13 +94,13 @@ class Client:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
             self._reader = None
-        if self._sock is not None:
+        if self._monitor is not None:
             self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = self._read_events = None
+        if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-        if self._monitor is not None:
-            self._monitor.close(linger=0)
-            self._monitor = None
         for held in self._held.values():
             held.unlock()
         self._held.clear()
@@ -103,11 +113,16 @@ class Client:
         self._acks.clear()
 
     def connection_lost(self) -> bool:
-        """Whether the server has closed this client's connection (it stopped, or the link
-        broke); checked without blocking, and True from then on. What is sent afterwards is
-        read by nobody, and a ROUTER drops the replies to a peer that left."""
-        while not self._lost and self._monitor is not None and self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._lost = parse_monitor_message(self._monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED
+        """Whether this client had a connection to the server and has none now (the server
+        stopped or dropped it); checked without blocking. ZeroMQ reconnects on its own, and a
+        new connection clears it. Meanwhile what is sent is read by nobody, and a ROUTER
+        drops the replies to a peer that left."""
+        events = self._read_events
+        while events is not None and events.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if parse_monitor_message(events.recv_multipart())["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected, self._lost = True, False
+            else:  # disconnected (a handshake that failed never connected)
+                self._lost = self._connected
         return self._lost
 
     # ------------------------------------------------------------ requests
@@ -259,12 +274,3 @@ def _drain(sock: zmq.Socket, limit: int) -> list[list]:
 def _ids_bin(ids) -> bytes:
     return np.ascontiguousarray(np.asarray(ids), dtype="<i4").tobytes()
 
-
-def _disconnect_monitor(sock: zmq.Socket, ctx: zmq.Context, tag: str) -> zmq.Socket:
-    """A sync PAIR socket receiving ``sock``'s disconnect events (set before it connects)."""
-    addr = f"inproc://mmsched-client-monitor-{tag}"
-    sock.monitor(addr, zmq.EVENT_DISCONNECTED)
-    pair = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
-    pair.linger = 0
-    pair.connect(addr)
-    return pair

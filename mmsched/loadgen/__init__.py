@@ -39,10 +39,10 @@ broadcast to every rank with the batch); ``cuda_ipc`` for features already on a 
 mapping: for big features (16 MiB: see bench/materialize.py), ranks on the client's host.
 
 When the server goes away (a 503 ``service unavailable: …``: draining, stopped, group
-broken; the server closing the connection; or no pong for ``GONE_S``), the generator stops
-sending at once: requests sent into a socket nobody reads would be lost results and
-segments nobody unlinks (those it sent anyway it unlinks itself, after counting them).
-With no pong at the start it sends nothing and says so.
+broken; the connection lost for ``LATE_S``, not just dropped and reconnected; or no pong
+for ``GONE_S``), the generator stops sending at once (a lost connection pauses it):
+requests sent into a socket nobody reads would be lost results and segments nobody
+unlinks. With no pong at the start it sends nothing and says so.
 
 Segments: the prefixed segments in /dev/shm are listed before and after. Segments this
 process created (``<prefix><pid>_…``) and that are still there at the end are a leak;
@@ -51,13 +51,13 @@ the generator's own pools are removed before the count.
 
 from __future__ import annotations
 
-from .loop import GONE_S
+from .loop import GONE_S, LATE_S
 from .plot import PLOT_NEEDS, can_plot, write_plot
 from .records import Records, summarize
 from .report import Report, _finite, format_table, write_json
 from .runner import list_segments, run, run_sync
 from .spec import CLIENT_FAULTS, EXPECTED, LOST, TRANSPORTS, LoadSpec, parse_size
 
-__all__ = ["CLIENT_FAULTS", "EXPECTED", "GONE_S", "LOST", "PLOT_NEEDS", "TRANSPORTS", "LoadSpec", "Records", "Report",
+__all__ = ["CLIENT_FAULTS", "EXPECTED", "GONE_S", "LATE_S", "LOST", "PLOT_NEEDS", "TRANSPORTS", "LoadSpec", "Records", "Report",
            "can_plot", "format_table", "list_segments", "parse_size", "run", "run_sync", "summarize", "write_json",
            "write_plot"]

@@ -16,7 +16,7 @@ from .records import Records
 from .spec import CLIENT_FAULTS, LoadSpec
 
 GONE_S = 4.0  # no pong for this long while running: the server is gone
-LATE_S = 0.5  # once the server has closed our connection, results already on their way in get this long
+LATE_S = 0.5  # a connection still lost after this long (ZeroMQ reconnects in ~0.1 s): the server is gone
 _RUNS = itertools.count()
 
 
@@ -41,8 +41,7 @@ class Run:
         self.tasks: set[asyncio.Task] = set()  # aborts in flight (the loop keeps only weak references)
         self.errors: list[str] = []
         self.stopped_by: str | None = None  # why sending stopped before its count and duration
-        self.server_left = False  # it went away mid-run: what it never read is ours to unlink
-        self._checked_at, self._closed = -math.inf, False  # the connection, as _server_left last saw it
+        self._checked_at, self.paused = -math.inf, False  # the connection, as _paused last saw it
 
     async def watch(self, every_s: float = 1.0) -> None:
         """Ping while the run lasts: no pong for GONE_S means nobody reads what we send."""
@@ -54,7 +53,6 @@ class Run:
             except asyncio.TimeoutError:
                 if time.perf_counter() - last >= GONE_S:
                     self.stopped_by = self.stopped_by or f"no pong from {self.spec.frontend} for {GONE_S:g} s: the server is gone"
-                    self.server_left = True
                     self.stop_sending()
                     self.all_done.set()  # nobody will answer what is outstanding
                     return
@@ -62,38 +60,34 @@ class Run:
             await asyncio.sleep(every_s)
 
     async def watch_connection(self, every_s: float = 0.05) -> None:
-        """The server closing our connection ends the run, even if no 503 said it was going
-        (a client stalled while the server drained and left sent nothing it could refuse)."""
+        """A lost connection pauses sending (what is sent meanwhile is read by nobody); one
+        still lost after ``LATE_S`` ends the run: the server is gone, even if no 503 said so
+        (a client stalled while the server drained and left got none). ZeroMQ reconnects
+        within ~0.1 s to a server that only dropped us (say, for an oversized frame)."""
+        lost_since = None
         while not self.all_done.is_set():
-            if self._server_left():
-                try:
-                    await asyncio.wait_for(self.all_done.wait(), LATE_S)
-                except asyncio.TimeoutError:
-                    self.all_done.set()  # nobody will answer what is outstanding
+            if not self.client.connection_lost():
+                lost_since = None
+            elif lost_since is None:
+                lost_since = time.perf_counter()
+            elif time.perf_counter() - lost_since >= LATE_S:
+                self.stopped_by = self.stopped_by or "the server is going away (it closed the connection): stopped sending"
+                self.stop_sending()
+                self.all_done.set()  # nobody will answer what is outstanding
                 return
             await asyncio.sleep(every_s)
 
-    def _server_left(self) -> bool:
-        """Whether the server has closed our connection. A send checks at most once a
-        millisecond (a check costs ~4 µs): so much at most more goes into the closed socket."""
-        if self._closed:
-            return True
+    def _paused(self) -> bool:
+        """Whether the connection is lost; asked of the client at most once a millisecond (~4 µs a time)."""
         now = time.perf_counter()
-        if now - self._checked_at < 0.001:
-            return False
-        self._checked_at = now
-        if not self.client.connection_lost():
-            return False
-        self._closed = True
-        self.stopped_by = self.stopped_by or "the server is going away (it closed the connection): stopped sending"
-        self.server_left = True
-        self.stop_sending()
-        return True
+        if now - self._checked_at >= 0.001:
+            self._checked_at, self.paused = now, self.client.connection_lost()
+        return self.paused
 
     # -- sending
     def send_one(self, sess: Session | None = None) -> bool:
         """Send the next request (a new one, or ``sess``'s next turn); False once the send phase is over."""
-        if not self.sending or self._server_left():
+        if not self.sending or self._paused():
             return False
         if len(self.rec) >= (self.spec.requests or math.inf) or time.perf_counter() >= self.send_until:
             self.stop_sending()
@@ -168,7 +162,6 @@ class Run:
         self.outstanding -= 1
         if res.status == 503 and res.message.startswith("service unavailable") and self.sending:
             self.stopped_by = self.stopped_by or f"the server is going away ({res.message}): stopped sending"
-            self.server_left = True
             self.stop_sending()
         try:
             if sess is not None:
@@ -236,7 +229,7 @@ class Run:
                 await asyncio.sleep(due - now)
                 continue
             burst = 0
-            while due <= now and burst < 256 and self.sending:
+            while due <= now and burst < 256 and self.sending and not self._paused():
                 if sessions:
                     sess = self.ready.popleft() if self.ready else self._new_session()
                     if not self.send_one(sess):
@@ -246,5 +239,5 @@ class Run:
                 i += 1
                 burst += 1
                 due = self.t0 + i / rate
-            await asyncio.sleep(0)  # let results in between bursts
+            await asyncio.sleep(0.01 if self.paused else 0)  # let results in between bursts
         self.stop_sending()

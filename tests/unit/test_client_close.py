@@ -27,24 +27,55 @@ async def test_close_settles_every_pending_future(tmp_path):
         assert "pending=0" in repr(c)
 
 
-async def test_connection_lost_says_when_the_server_closed_the_connection(tmp_path):
-    """The load generator stops on it: a server that drained and left while the client was
-    stalled sent no 503 to say so, and what is sent after is read by nobody."""
+async def test_connection_lost_says_while_the_server_has_closed_the_connection(tmp_path):
+    """The load generator pauses on it, and ends the run when it lasts: a server that drained
+    and left while the client was stalled sent no 503 to say so. A reconnect clears it."""
     import zmq
     import zmq.asyncio
 
     addr = f"ipc://{tmp_path}/router"
-    server = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
-    server.bind(addr)
-    async with Client(addr, timeout=5) as c:
-        pinging = asyncio.ensure_future(c.ping())  # connected once the server reads it (no pong comes)
-        assert len(await asyncio.wait_for(server.recv_multipart(), 5)) == 2
-        await asyncio.sleep(0.1)
-        assert not c.connection_lost()
-        server.close(linger=0)
-        for _ in range(100):
-            if c.connection_lost():
-                break
+    ctx = zmq.asyncio.Context.instance()
+
+    async def serve_one_ping() -> zmq.asyncio.Socket:
+        server = ctx.socket(zmq.ROUTER)
+        server.bind(addr)
+        assert len(await asyncio.wait_for(server.recv_multipart(), 5)) == 2  # connected: it read our ping
+        return server
+
+    async def until(want: bool) -> bool:
+        for _ in range(250):
+            if c.connection_lost() is want:
+                return True
             await asyncio.sleep(0.02)
-        assert c.connection_lost() and c.connection_lost()  # and it stays so
+        return False
+
+    async with Client(addr, timeout=5) as c:
+        assert not c.connection_lost()  # never connected is not lost
+        pinging = asyncio.ensure_future(c.ping())  # no pong comes
+        server = await serve_one_ping()
+        assert await until(False)
+        server.close(linger=0)
+        assert await until(True) and c.connection_lost()  # and it stays so while nobody listens
         pinging.cancel()
+        pinging = asyncio.ensure_future(c.ping())  # queued until the DEALER reconnects
+        server = await serve_one_ping()
+        assert await until(False), "a new connection must clear it"
+        pinging.cancel()
+        server.close(linger=0)
+
+
+async def test_a_client_that_fails_to_enter_or_is_never_closed_does_not_hang_its_context():
+    """Outside review: the first cut's monitor socket sat on a shadow context, which
+    ``destroy`` does not know: an unclosed client, or one whose connect failed, hung it."""
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    with pytest.raises(zmq.ZMQError):
+        async with Client("bogus://x", context=ctx):
+            pass
+    left_open = Client("ipc:///tmp/mmsched-test-nobody.sock", context=ctx)
+    await left_open.__aenter__()
+    left_open._reader.cancel()
+    done = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, ctx.destroy, 0), 10)
+    assert done is None
