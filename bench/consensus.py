@@ -13,8 +13,10 @@ the same flags:
 
 Two row sets: ``clean`` (nothing failed) and ``1 failure`` (rank 1 fails the first request
 of every batch, its error string rides in the batched all-gather). Every cell is warmed up,
-then timed in rounds; the reported figure is the median round, in µs per request. Each
-cell's timed part is about ``--budget`` seconds (at least 3 batches), so on an idle
+then timed in rounds, the two approaches alternating round by round (the host's noise
+drifts over seconds: so it falls on both); each figure is the median round, in µs per
+request, and the ratio the median of the rounds' ratios. Each cell's timed part is about
+``--budget`` seconds per approach (at least 3 batches), so on an idle
 2-core machine the whole run takes well under a minute.
 
 Then the floor: ``FLOOR_CALLS`` single all-gathers of one flag (``mmsched.group``'s, the
@@ -79,7 +81,7 @@ def _worker(rank: int, world: int, port: int, batches: list[int], budget: float,
         for batch in batches:
             flags, errors = _flags(batch, fail, rank)
             row = {"tp": world, "batch": batch, "failures": int(fail)}
-            verdicts = {}
+            verdicts, reps, times = {}, {}, {name: [] for name in approaches}
             for name, fn in approaches.items():
                 # warm up, then size the rounds so the cell fits its time budget
                 group.all_gather(barrier)
@@ -88,18 +90,21 @@ def _worker(rank: int, world: int, port: int, batches: list[int], budget: float,
                 t0 = time.perf_counter()
                 fn(group, flags, errors)
                 one = max(time.perf_counter() - t0, 1e-7)  # one batch
-                reps = max(1, int(budget / ROUNDS / one))
-                rounds = ROUNDS if reps > 1 else max(MIN_ROUNDS, min(ROUNDS, int(budget / one)))
-                reps, rounds = agreed(reps, rounds)
-                times = []
-                for _ in range(rounds):
+                reps[name] = max(1, int(budget / ROUNDS / one))
+            rounds = ROUNDS if min(reps.values()) > 1 else MIN_ROUNDS
+            for name in approaches:
+                reps[name], = agreed(reps[name])
+            rounds, = agreed(rounds)
+            for _ in range(rounds):  # the approaches alternate round by round: the host's noise
+                for name, fn in approaches.items():  # (it drifts over seconds) falls on both
                     group.all_gather(barrier)  # start every round together
                     t0 = time.perf_counter()
-                    for _ in range(reps):
+                    for _ in range(reps[name]):
                         fn(group, flags, errors)
-                    times.append(time.perf_counter() - t0)
-                row[f"{name}_us"] = statistics.median(times) / (reps * batch) * 1e6
-                row[f"{name}_batches"] = reps * rounds
+                    times[name].append((time.perf_counter() - t0) / (reps[name] * batch) * 1e6)
+            for name in approaches:
+                row[f"{name}_us"] = statistics.median(times[name])
+                row[f"{name}_batches"] = reps[name] * rounds
             # both approaches must reach the same verdict, or the comparison means nothing
             ref, ours = verdicts["reference"], verdicts["batched"]
             assert (ref.flags == ours.flags).all(), (ref.flags, ours.flags)
@@ -107,7 +112,7 @@ def _worker(rank: int, world: int, port: int, batches: list[int], budget: float,
                 assert ref.failed_ranks(i) == ours.failed_ranks(i)
                 assert ref.message(i) == ours.message(i), (ref.message(i), ours.message(i))
             assert bool(ours.flags.any()) == fail
-            row["ratio"] = row["reference_us"] / row["batched_us"]
+            row["ratio"] = statistics.median(r / b for r, b in zip(times["reference"], times["batched"]))
             rows.append(row)
     floor = _floor(group, barrier)
     group.all_gather(barrier)
