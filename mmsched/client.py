@@ -55,9 +55,11 @@ class Client:
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
+        self._events: asyncio.Task | None = None  # reads the monitor now and then (_drain_events)
         self._monitor: zmq.Socket | None = None  # the DEALER's connection events (a PAIR socket)
         self._read_events: zmq.Socket | None = None  # its sync view: read without a future
         self._connected = self._lost = False
+        self.connections = 0  # connections made (a handshake done): a reconnect counts one more
         self._results: dict[str, asyncio.Future] = {}
         self._pongs: deque[asyncio.Future] = deque()
         self._acks: dict[str, deque[asyncio.Future]] = {}
@@ -75,7 +77,7 @@ class Client:
             from .auth import secure_client
 
             secure_client(self._sock, *self._curve)
-        self._connected = self._lost = False
+        self._connected, self._lost, self.connections = False, False, 0
         try:
             self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             self._read_events = zmq.Socket.shadow(self._monitor.underlying)
@@ -84,18 +86,21 @@ class Client:
             await self.close()
             raise
         self._reader = asyncio.ensure_future(self._read())
+        self._events = asyncio.ensure_future(self._drain_events())
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
     async def close(self) -> None:
-        if self._reader:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-            self._reader = None
+        for task in (self._reader, self._events):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._reader = self._events = None
         if self._monitor is not None:
-            self._sock.disable_monitor()
+            if not self._sock.closed:  # (closed already if its context was destroyed)
+                self._sock.disable_monitor()
             self._monitor.close(linger=0)
             self._monitor = self._read_events = None
         if self._sock is not None:
@@ -121,9 +126,17 @@ class Client:
         while events is not None and events.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             if parse_monitor_message(events.recv_multipart())["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected, self._lost = True, False
+                self.connections += 1
             else:  # disconnected (a handshake that failed never connected)
                 self._lost = self._connected
         return self._lost
+
+    async def _drain_events(self, every_s: float = 1.0) -> None:
+        """Read the monitor even when nobody asks: ZeroMQ's I/O thread blocks on a full one
+        (~2,000 events: minutes of failed reconnects), and with it every socket of the context."""
+        while True:
+            await asyncio.sleep(every_s)
+            self.connection_lost()
 
     # ------------------------------------------------------------ requests
     def new_rid(self) -> str:

@@ -60,14 +60,15 @@ class Run:
             await asyncio.sleep(every_s)
 
     async def watch_connection(self, every_s: float = 0.05) -> None:
-        """A lost connection pauses sending (what is sent meanwhile is read by nobody); one
-        still lost after ``LATE_S`` ends the run: the server is gone, even if no 503 said so
-        (a client stalled while the server drained and left got none). ZeroMQ reconnects
-        within ~0.1 s to a server that only dropped us (say, for an oversized frame)."""
-        lost_since = None
+        """A lost connection pauses the open loop (what is sent meanwhile is read by nobody;
+        the closed loop has at most its concurrency out); one still lost after ``LATE_S``
+        ends the run: the server is gone, even if no 503 said so (a client stalled while the
+        server drained and left got none). ZeroMQ reconnects within ~0.1 s to a server that
+        only dropped us (say, for an oversized frame)."""
+        lost_since, connections = None, self.client.connections
         while not self.all_done.is_set():
-            if not self.client.connection_lost():
-                lost_since = None
+            if not self.client.connection_lost() or self.client.connections != connections:
+                lost_since, connections = None, self.client.connections  # (a reconnect between two looks)
             elif lost_since is None:
                 lost_since = time.perf_counter()
             elif time.perf_counter() - lost_since >= LATE_S:
@@ -87,7 +88,7 @@ class Run:
     # -- sending
     def send_one(self, sess: Session | None = None) -> bool:
         """Send the next request (a new one, or ``sess``'s next turn); False once the send phase is over."""
-        if not self.sending or self._paused():
+        if not self.sending:
             return False
         if len(self.rec) >= (self.spec.requests or math.inf) or time.perf_counter() >= self.send_until:
             self.stop_sending()

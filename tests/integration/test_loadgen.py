@@ -261,7 +261,7 @@ async def test_a_generator_stalled_while_the_server_drains_and_exits_stops_at_on
     else:  # ZeroMQ's thread had not seen the close yet (so it was, on a busy host, while the
         # client's receive high-water mark was 1000: its thread stopped reading, EOF unseen)
         assert len(after) <= 2 * 256 and len(leaked) <= len(after), figures
-    assert "going away (it closed the connection)" in (report.error or "") and took < 20, figures
+    assert "going away" in (report.error or "") and took < 20, figures  # (a 503 may say it first)
 
 
 async def test_a_generator_the_server_drops_for_an_oversized_frame_goes_on(start_server):
