@@ -18,6 +18,7 @@ import struct
 from dataclasses import dataclass, field
 
 import msgpack
+import numpy as np
 import torch
 
 from .transport.buffers import NO_REUSE
@@ -112,15 +113,17 @@ def host_bound(reqs) -> list[tuple[int, int]]:
 #
 # Both sides know from the batch which items are forwarded and each one's declared size, so
 # the layout of the receiver's one buffer is fixed before a byte moves: an 8-byte prefix (the
-# length of the reasons message that follows, 0 when none), then the small items, then the
-# big ones, each item padded to ``ALIGN``. Message 0 is the prefix with the small items
-# copied in behind it; each big item is its own message, sent as it is and received straight
-# into its slice. Only when an item failed on the leader does one more message follow: the
-# reasons (msgpack). A failed item's slot still travels (zeros), so the layout never depends
-# on what failed. Each message is a broadcast over the host's link ({leader, its first rank}):
+# length of the reasons, 0 when none), ``INLINE_REASONS`` bytes for them, then the small
+# items, then the big ones, each item padded to ``ALIGN``. Message 0 is the prefix and the
+# reasons with the small items copied in behind them; each big item is its own message, sent
+# as it is and received straight into its slice. The reasons (msgpack, one per item that
+# failed on the leader) ride in message 0; only when they are longer than ``INLINE_REASONS``
+# does one more message follow with them. A failed item's slot still travels (zeros), so the
+# layout never depends on what failed. Each message is a broadcast over the host's link ({leader, its first rank}):
 # measured here, gloo's send/recv has a much longer tail under load than its broadcast.
 
 PREFIX = 8  # bytes: int64 length of the reasons message (0: every item arrived)
+INLINE_REASONS = 1024  # bytes kept behind the prefix: reasons up to this long ride in message 0
 BIG = 2 << 20  # items of at least this many bytes travel as their own message, never copied
 
 
@@ -139,7 +142,7 @@ class Layout:
 
 def layout(sizes: list[int]) -> Layout:
     """The same on the leader and on the receiver: it depends on the declared sizes only."""
-    offsets, pos = [0] * len(sizes), PREFIX
+    offsets, pos = [0] * len(sizes), PREFIX + INLINE_REASONS
     for k, n in enumerate(sizes):
         if n < BIG:
             offsets[k], pos = pos, pos + _padded(n)
@@ -165,6 +168,8 @@ def frame(sizes: list[int], payloads: list, buffers=NO_REUSE) -> tuple[list[torc
     head = buffers.take(lay.slots[0][1])
     out = head.numpy()
     struct.pack_into("<q", out, 0, len(blob))
+    if len(blob) <= INLINE_REASONS:  # no message more for a failed item (the reasons' own collective)
+        out[PREFIX: PREFIX + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
     messages = [head]
     for k, (raw, n) in enumerate(zip(raws, sizes)):
         failed = isinstance(raw, str)
@@ -202,7 +207,7 @@ def ship(topo: Topology, sizes: list[int], payloads: list, buffers=NO_REUSE) -> 
     import torch.distributed as dist
 
     messages, blob = frame(sizes, payloads, buffers)
-    if blob:
+    if len(blob) > INLINE_REASONS:
         messages.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     works = [dist.broadcast(m, 0, group=topo.links.get(h), async_op=True)
              for h in topo.remote_hosts for m in messages]
@@ -226,8 +231,10 @@ def receive(topo: Topology, sizes: list[int], buffers=NO_REUSE) -> list:
             w.wait()
     if group is not None:
         dist.broadcast(buf, ranks[0], group=group)
-    blob = b""
-    if length := reasons_length(buf):  # only when an item failed on the leader
+    length = reasons_length(buf)  # not 0 only when an item failed on the leader
+    if length <= INLINE_REASONS:
+        blob = buf[PREFIX: PREFIX + length].numpy().tobytes()
+    else:
         reasons = torch.empty(length, dtype=torch.uint8)
         if topo.rank == ranks[0]:
             dist.broadcast(reasons, 0, group=link)

@@ -32,11 +32,11 @@ def test_bench_consensus_prints_a_table(tmp_path):
     assert {(r["tp"], r["batch"], r["failures"]) for r in table} == {(2, b, f) for b in (1, 64) for f in (0, 1)}
     for r in table:
         assert r["reference_us"] > 0 and r["batched_us"] > 0
-        assert r["ratio"] == pytest.approx(r["reference_us"] / r["batched_us"])
+        assert r["ratio"] > 0  # the median of the rounds' ratios (the approaches alternate round by round)
     clean64 = next(r for r in table if r["batch"] == 64 and r["failures"] == 0)
     assert clean64["ratio"] > 1, clean64
     printed64 = next(r for r in rows if r[1] == "64" and r[2] == "0")
-    assert float(printed64[5].rstrip("x")) > 1
+    assert float(printed64[5].rstrip("x")) == pytest.approx(clean64["ratio"], abs=0.051)
     [floor] = json.loads(out.read_text())["floors"]  # one all-gather: what every tp=2 batch pays
     assert floor["tp"] == 2 and 0 < floor["p50_ms"] <= floor["p99_ms"] and floor["calls"] >= 500
     assert re.search(r"floor, tp=2: one all-gather of one flag, p50 [\d.]+ ms, p99 [\d.]+ ms", proc.stdout)

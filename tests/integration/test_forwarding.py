@@ -14,7 +14,7 @@ import socket
 import pytest
 import torch
 
-from mmsched.remote import BIG
+from mmsched.remote import BIG, INLINE_REASONS
 
 WHY = "FileNotFoundError: [Errno 2] No such file or directory: '/dev/shm/mmsched_gone'"
 
@@ -29,6 +29,9 @@ def _batches() -> dict[str, tuple[list[torch.Tensor], dict[int, str]]]:
                            {1: WHY}),
         "many": ([torch.randint(-9, 9, (k % 11,), dtype=torch.int32, generator=g) for k in range(200)],
                  {k: f"ValueError: {k}" for k in range(3, 200, 50)}),
+        # reasons longer than remote.INLINE_REASONS: they follow message 0 as a message of their own
+        "long-reasons": ([torch.randn(k + 1, generator=g) for k in range(40)],
+                         {k: f"{WHY} (item {k})" for k in range(0, 40, 2)}),
         "big": ([torch.randint(0, 255, (BIG + 5,), dtype=torch.uint8, generator=g), torch.randn(3, generator=g),
                  torch.randn(BIG // 4, generator=g).to(torch.bfloat16), torch.randn(BIG // 8, generator=g)],
                 {3: "OSError: short read"}),
@@ -86,3 +89,12 @@ def test_both_remote_ranks_hold_the_leaders_bytes_or_its_reason(received, name):
             assert got[k] == want, (rank, name, k)
     # the metric: feature bytes of the items the leader read, once for the one remote host
     assert received[0][name] == sum(t.numel() * t.element_size() for k, t in enumerate(tensors) if k not in failed)
+
+
+def test_the_long_reasons_batch_really_needs_a_message_of_its_own():
+    """So the batch above tests the path past the inline room (one more collective)."""
+    import msgpack
+
+    _, failed = _batches()["long-reasons"]
+    short = {k: v for k, v in list(failed.items())[:3]}
+    assert len(msgpack.packb(failed)) > INLINE_REASONS >= len(msgpack.packb(short))

@@ -72,7 +72,8 @@ def test_zero_byte_items_alone_and_between_others():
     tensors = [torch.empty(0), torch.arange(5, dtype=torch.int32), torch.empty(0, 3, dtype=torch.float64)]
     for batch in (tensors[:1], tensors):
         feats, messages, _ = transfer(batch)
-        assert len(messages) == 1 and messages[0].numel() == remote.PREFIX + 24 * (len(batch) > 1)
+        assert len(messages) == 1
+        assert messages[0].numel() == remote.PREFIX + remote.INLINE_REASONS + 24 * (len(batch) > 1)
         for t, f in zip(batch, feats):
             got = f.materialize()
             assert got.shape == t.shape and torch.equal(got, t)
@@ -87,7 +88,8 @@ def test_an_item_failed_on_the_leader_between_two_good_ones_fails_with_the_reaso
     assert torch.equal(feats[2].materialize(), tensors[2])
     with pytest.raises(Exception, match="not received from the leader's host.*FileNotFoundError"):
         feats[1].materialize()
-    assert msgpack.unpackb(blob, strict_map_key=False) == {1: why}  # the one more message
+    assert msgpack.unpackb(blob, strict_map_key=False) == {1: why}
+    assert bytes(messages[0][remote.PREFIX: remote.PREFIX + len(blob)]) == blob  # in message 0: no message more
     lay = remote.layout([nbytes(t) for t in tensors])
     assert not messages[0][lay.offsets[1]: lay.offsets[1] + 16].any()  # its slot travels as zeros
 
