@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -109,3 +110,20 @@ async def test_a_connection_that_never_completes_its_handshake_is_not_lost():
         assert accepted >= 2 and c.connections == 0, accepted
         pinging.cancel()
     listener.close()
+
+
+def test_minutes_of_failed_reconnects_do_not_freeze_the_clients_context():
+    """Outside review: libzmq's I/O thread blocks on a full monitor (~2,000 unread events)
+    and with it every socket of the context, so a client that nobody asked
+    ``connection_lost`` of froze its neighbours (no pong after 2,001 failed connects). The
+    client reads its monitor now and then. Reconnects every 1 ms make minutes seconds; in a
+    process of its own, as a frozen context also hangs the clients' close."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "monitor_storm.py")
+    try:
+        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the storm hung (the context froze): {exc.stdout}")
+    assert proc.returncode == 0 and "pong after" in proc.stdout, proc.stdout + proc.stderr
