@@ -286,4 +286,3 @@ def _drain(sock: zmq.Socket, limit: int) -> list[list]:
 
 def _ids_bin(ids) -> bytes:
     return np.ascontiguousarray(np.asarray(ids), dtype="<i4").tobytes()
-

@@ -52,10 +52,7 @@ class Run:
                 last = time.perf_counter()
             except asyncio.TimeoutError:
                 if time.perf_counter() - last >= GONE_S:
-                    self.stopped_by = self.stopped_by or f"no pong from {self.spec.frontend} for {GONE_S:g} s: the server is gone"
-                    self.stop_sending()
-                    self.all_done.set()  # nobody will answer what is outstanding
-                    return
+                    return self._gone(f"no pong from {self.spec.frontend} for {GONE_S:g} s: the server is gone")
                 continue
             await asyncio.sleep(every_s)
 
@@ -72,11 +69,14 @@ class Run:
             elif lost_since is None:
                 lost_since = time.perf_counter()
             elif time.perf_counter() - lost_since >= LATE_S:
-                self.stopped_by = self.stopped_by or "the server is going away (it closed the connection): stopped sending"
-                self.stop_sending()
-                self.all_done.set()  # nobody will answer what is outstanding
-                return
+                return self._gone("the server is going away (it closed the connection): stopped sending")
             await asyncio.sleep(every_s)
+
+    def _gone(self, why: str) -> None:
+        """The run ends here: nobody will answer what is outstanding."""
+        self.stopped_by = self.stopped_by or why
+        self.stop_sending()
+        self.all_done.set()
 
     def _paused(self) -> bool:
         """Whether the connection is lost; asked of the client at most once a millisecond (~4 µs a time)."""

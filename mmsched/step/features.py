@@ -19,6 +19,7 @@ from ..errors import describe
 from ..faults import Faults
 from ..metrics import RankCounters
 from ..protocol import Request
+from ..transport.shm import Owner
 
 
 def digest_prefix(digests: list[str]) -> int:
@@ -81,9 +82,6 @@ def agree(group, m: Materialized) -> tuple[consensus.Verdict, list[list[int]]]:
     for i in np.flatnonzero(differs.any(axis=0)).tolist():  # per request, once per batch
         mismatch[i] = [int(r) for r in np.flatnonzero(differs[:, i])]
     return verdict, mismatch
-
-
-Owner = Callable[[str, Callable[[bool], bool]], bool]  # (segment name, close(unlink)) -> close's result
 
 
 def unlink_always(name: str, close: Callable[[bool], bool]) -> bool:

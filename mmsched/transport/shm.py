@@ -111,6 +111,9 @@ def unlink_segment(name: str, rid: str | None = None, quiet_if_missing: bool = F
     return False
 
 
+Owner = Callable[[str, Callable[[bool], bool]], bool]  # (segment name, close(unlink)) -> close's result
+
+
 class Holds:
     """The leader's shared locks on the segments of queued and running requests, so that the
     orphan sweep leaves them alone: one descriptor per segment, however many items or
@@ -167,7 +170,7 @@ class Holds:
                         unlinked += unlink_segment(name, rid, quiet_if_missing=True)
         return unlinked
 
-    def owner(self, batch: list) -> Callable[[str, Callable[[bool], bool]], bool]:
+    def owner(self, batch: list) -> Owner:
         """For ``step.features.release`` on the lane, once ``batch`` (its requests) is past its
         consensus: ``owner(name, close)`` calls ``close(unlink)`` on the feature reading
         ``name``, unlinking it unless a request outside the batch holds it (then the drop of
