@@ -2,20 +2,23 @@
 
     .venv/bin/python bench/materialize.py [--sizes 64K,1M,16M,64M] [--budget 0.4]
 
-For each size, GB/s of (median time per operation):
+For each size, GB/s (median time per operation) of:
 
 - ``copy``:   ``src.clone()`` of a tensor already in this process (the ceiling);
-- ``fresh``:  a segment made by a client just before (not timed), then ``ShmFeature``
-  open + materialize + release with unlink, as the leader does for a non-pooled item;
-- ``pooled``: a slice of a client's ``ShmPool`` through ``PooledFeature`` with a warm
-  ``PoolCache`` (the pool mapped once, as on a rank that has served it before);
-- ``memfd``: a slice of a client's sealed ``MemfdPool`` through ``MemfdFeature`` with a
-  warm ``MemfdCache`` (the pool mapped once; a numpy copy out of the mapping, safe
-  because the seals forbid shrinking: the ``memfd`` transport, an extension);
+- ``fresh``:  a segment made by a client just before (not timed), then opened,
+  materialized and released with unlink, as the leader does for a non-pooled item;
+- ``pooled``: a slice of a client's ``ShmPool`` (read with ``pread``);
+- ``memfd``: a slice of a client's sealed ``MemfdPool`` (a numpy copy out of the mapping,
+  safe because the seals forbid shrinking: the ``memfd`` transport, an extension);
 - ``mapped``: for reference only, a numpy copy out of a mapping of the pool kept open:
   what a pooled read would cost if mmsched copied out of a kept mapping instead of
   ``pread`` (it does not: a pool its owner truncates would SIGBUS the rank).
 
+Features are opened as a rank opens them, through one ``Transports``: its pool caches are
+warm (each pool mapped or opened once, as on a rank that has served it before) and big
+features land in its reused destination buffers. The approaches take turns in ``ROUNDS``
+rounds (the host's noise drifts over seconds, so it falls on all of them); a ratio is the
+median of the rounds' ratios to the copy. Each approach's bytes are checked first.
 Every rank process runs with one torch thread; so does this benchmark.
 """
 
@@ -34,15 +37,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mmsched.faults import Faults  # noqa: E402
 from mmsched.protocol import Item  # noqa: E402
 from mmsched.producers import MemfdPool, ShmPool, create_segment  # noqa: E402
 from mmsched.segments import shm_path  # noqa: E402
-from mmsched.transport.memfd import MemfdCache, MemfdFeature  # noqa: E402
-from mmsched.transport.shm import ShmFeature  # noqa: E402
-from mmsched.transport.shm_pool import PoolCache, PooledFeature  # noqa: E402
+from mmsched.transport import Transports  # noqa: E402
 
-NO_FAULTS = Faults([], 0)
 PREFIX = "mmbench_"
 
 
@@ -51,7 +50,10 @@ def _item(name: str, nbytes: int, offset: int = 0, pooled: bool = False) -> Item
                 shm_name=name, offset=offset, pooled=pooled)
 
 
-def _time(op, budget: float, setup=None, min_reps: int = 5, max_reps: int = 2000) -> float:
+ROUNDS = 5  # timed rounds per size, every approach in each (a noisy spell falls on all of them)
+
+
+def _time(op, budget: float, setup=None, min_reps: int = 3, max_reps: int = 2000) -> float:
     """Median seconds of ``op()`` (``setup()`` before each, untimed), within about ``budget`` seconds."""
     times: list[float] = []
     end = time.perf_counter() + budget
@@ -63,84 +65,70 @@ def _time(op, budget: float, setup=None, min_reps: int = 5, max_reps: int = 2000
     return statistics.median(times)
 
 
-def measure(nbytes: int, budget: float = 0.4) -> dict:
+def measure(nbytes: int, budget: float = 0.4, rounds: int = ROUNDS) -> dict:
+    """One row: each approach's median seconds per operation, and its ratio to the copy, the
+    median of the rounds' ratios. Features are opened as a rank opens them: through a
+    ``Transports`` (its pool caches, warm, and its reused destination buffers)."""
     src = torch.from_numpy(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
-    row = {"bytes": nbytes}
-
-    # ceiling: an in-process copy into fresh memory
-    row["copy_s"] = _time(lambda _: src.clone(), budget)
-
-    # fresh segment: open + materialize + release (unlink), the segment made just before
-    def make(_=None):
-        seg = create_segment(src, PREFIX)
-        seg.sent()
-        return seg.name
-
-    def fresh(name):
-        f = ShmFeature(_item(name, nbytes), "bench", NO_FAULTS)
-        t = f.materialize()
-        f.release(unlink=True)
-        return t
-
-    row["fresh_s"] = _time(fresh, budget, setup=make, max_reps=400)
-
-    # pooled: a slice of a long-lived pool, the pool mapped once (warm cache)
-    pool = ShmPool(nbytes + 64, PREFIX)
-    cache = PoolCache()
+    transports = Transports()
+    pool, memfd = ShmPool(nbytes + 64, PREFIX), MemfdPool(nbytes + 64, PREFIX)
+    fd = mm = view = None
     try:
-        off = pool.put(src)
-        row["pooled_s"] = _time_warm(PooledFeature, _item(pool.name, nbytes, off, pooled=True), cache, src, budget)
-        # reference only (mmsched does not do this): a copy out of a mapping kept open
+        pooled_item = _item(pool.name, nbytes, pool.put(src), pooled=True)
+        memfd_item = Item(index=0, modality="image", transport="memfd", dtype="uint8", shape=(nbytes,),
+                          nbytes=nbytes, offset=memfd.put(src),
+                          memfd={"pid": os.getpid(), "fd": memfd.fd, "inode": memfd.inode})
         fd = os.open(shm_path(pool.name), os.O_RDONLY)
         mm = mmap.mmap(fd, pool.size, prot=mmap.PROT_READ)
         view = np.frombuffer(mm, dtype=np.uint8)
+        off = pooled_item.offset
 
-        def copy_mapped(_):
-            raw = torch.empty(nbytes, dtype=torch.uint8)
+        def read(item):
+            f = transports.open(item, "bench")
+            try:
+                return f.materialize()
+            finally:
+                f.release(unlink=True)
+
+        def make():  # a fresh segment, as a client makes one per request (not timed)
+            seg = create_segment(src, PREFIX)
+            seg.sent()
+            return _item(seg.name, nbytes)
+
+        def copy_mapped(_):  # reference only (mmsched does not do this): a copy out of a mapping kept open
+            raw = transports.buffers.take(nbytes)
             raw.numpy()[:] = view[off: off + nbytes]
             return raw
 
-        try:
-            assert torch.equal(copy_mapped(None), src)
-            row["mapped_s"] = _time(copy_mapped, budget)
-        finally:
-            view = None  # drop the export before closing the mapping
+        approaches = {  # name: (op, setup)
+            "copy": (lambda _: src.clone(), None),
+            "fresh": (read, make),
+            "pooled": (lambda _: read(pooled_item), None),
+            "memfd": (lambda _: read(memfd_item), None),
+            "mapped": (copy_mapped, None),
+        }
+        for name, (op, setup) in approaches.items():  # warm: map each pool once, and check the bytes
+            assert torch.equal(op(setup() if setup else None), src), f"{name} read other bytes"
+        times: dict[str, list[float]] = {name: [] for name in approaches}
+        for _ in range(rounds):
+            for name, (op, setup) in approaches.items():
+                times[name].append(_time(op, budget / rounds, setup, max_reps=400 if setup else 2000))
+    finally:
+        view = None  # drop the export before closing the mapping
+        if mm is not None:
             mm.close()
+        if fd is not None:
             os.close(fd)
-    finally:
-        cache.clear()
+        transports.clear()
         pool.close()
-    row["memfd_s"] = _memfd(src, budget)
-    for k in ("copy", "fresh", "pooled", "memfd", "mapped"):
-        row[f"{k}_gbps"] = nbytes / row[f"{k}_s"] / 1e9
-        if k != "copy":
-            row[f"{k}_ratio"] = row["copy_s"] / row[f"{k}_s"]
+        memfd.close()
+    row = {"bytes": nbytes, "rounds": rounds}
+    for name, ts in times.items():
+        row[f"{name}_s"] = statistics.median(ts)
+        row[f"{name}_gbps"] = nbytes / row[f"{name}_s"] / 1e9
+        if name != "copy":
+            row[f"{name}_ratio"] = statistics.median(c / t for c, t in zip(times["copy"], ts))
     return row
-
-
-def _memfd(src: torch.Tensor, budget: float) -> float:
-    """Median seconds of a slice of a sealed memfd pool read through a warm ``MemfdCache``."""
-    pool, cache = MemfdPool(src.numel() + 64, PREFIX), MemfdCache()
-    try:
-        item = Item(index=0, modality="image", transport="memfd", dtype="uint8", shape=(src.numel(),),
-                    nbytes=src.numel(), offset=pool.put(src),
-                    memfd={"pid": os.getpid(), "fd": pool.fd, "inode": pool.inode})
-        return _time_warm(MemfdFeature, item, cache, src, budget)
-    finally:
-        cache.clear()
-        pool.close()
-
-
-def _time_warm(kind, item: Item, cache, src: torch.Tensor, budget: float) -> float:
-    """Median seconds of a ``kind`` feature (pooled shm, memfd) read through a warm ``cache``."""
-    def read(_):
-        f = kind(item, "bench", NO_FAULTS, cache)
-        t = f.materialize()
-        f.release(unlink=True)
-        return t
-
-    assert torch.equal(read(None), src)  # warm: map it once, and check the bytes
-    return _time(read, budget)
 
 
 def run(sizes: list[int], budget: float = 0.4) -> list[dict]:

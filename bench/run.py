@@ -3,7 +3,8 @@
     .venv/bin/python bench/run.py [--quick] [--json bench/results.json] [--budget-s 360]
 
 1. materialization (bench/materialize.py): GB/s of a fresh shm segment, of a pooled shm and a memfd pool
-   slice, against ``clone()`` of an in-process tensor, 64 KiB to 64 MiB;
+   slice, opened as a rank opens them (warm caches, reused buffers), against ``clone()`` of an
+   in-process tensor, 64 KiB to 64 MiB; the approaches take turns, round by round;
 2. throughput: the load generator (closed loop, fixed concurrency, bounded by count and
    time) against mmsched at tp=1 and tp=2 and against a bare ROUTER that only decodes
    and answers (bench/bare_router.py), for text-only requests and one 64 KiB shm, 1 MiB
