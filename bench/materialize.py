@@ -4,7 +4,7 @@
 
 For each size, GB/s (median time per operation) of:
 
-- ``copy``:   ``src.clone()`` of a tensor already in this process (the ceiling);
+- ``copy``:   ``copy_`` of a tensor already in this process into a reused buffer (the ceiling);
 - ``fresh``:  a segment made by a client just before (not timed), then opened,
   materialized and released with unlink, as the leader does for a non-pooled item;
 - ``pooled``: a slice of a client's ``ShmPool`` (read with ``pread``);
@@ -16,15 +16,19 @@ For each size, GB/s (median time per operation) of:
 
 Features are opened as a rank opens them, through one ``Transports``: its pool caches are
 warm (each pool mapped or opened once, as on a rank that has served it before) and big
-features land in its reused destination buffers. The approaches take turns in ``ROUNDS``
-rounds (the host's noise drifts over seconds, so it falls on all of them); a ratio is the
-median of the rounds' ratios to the copy. Each approach's bytes are checked first.
+features land in its reused destination buffers, as the copy does (fresh pages would cost
+as much as the copy itself, and glibc gives a clone over 32 MiB fresh ones). The
+approaches take turns in ``ROUNDS`` rounds (the host's noise drifts over seconds, so it
+falls on all of them); a ratio is the median of the rounds' ratios to the copy. Each
+approach's bytes are checked first, read into a buffer that held other bytes.
+
 Every rank process runs with one torch thread; so does this benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -68,19 +72,23 @@ def _time(op, budget: float, setup=None, min_reps: int = 3, max_reps: int = 2000
 def measure(nbytes: int, budget: float = 0.4, rounds: int = ROUNDS) -> dict:
     """One row: each approach's median seconds per operation, and its ratio to the copy, the
     median of the rounds' ratios. Features are opened as a rank opens them: through a
-    ``Transports`` (its pool caches, warm, and its reused destination buffers)."""
+    ``Transports`` (its pool caches, warm, and its reused destination buffers); the copy
+    lands in a reused buffer too, so every approach writes into memory the process has."""
     src = torch.from_numpy(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
     transports = Transports()
-    pool, memfd = ShmPool(nbytes + 64, PREFIX), MemfdPool(nbytes + 64, PREFIX)
-    fd = mm = view = None
-    try:
+    with contextlib.ExitStack() as stack:  # whatever fails, every pool, segment and mapping goes
+        stack.callback(transports.clear)
+        pool = ShmPool(nbytes + 64, PREFIX)
+        stack.callback(pool.close)
+        memfd = MemfdPool(nbytes + 64, PREFIX)
+        stack.callback(memfd.close)
         pooled_item = _item(pool.name, nbytes, pool.put(src), pooled=True)
         memfd_item = Item(index=0, modality="image", transport="memfd", dtype="uint8", shape=(nbytes,),
                           nbytes=nbytes, offset=memfd.put(src),
                           memfd={"pid": os.getpid(), "fd": memfd.fd, "inode": memfd.inode})
         fd = os.open(shm_path(pool.name), os.O_RDONLY)
-        mm = mmap.mmap(fd, pool.size, prot=mmap.PROT_READ)
-        view = np.frombuffer(mm, dtype=np.uint8)
+        stack.callback(os.close, fd)
+        mm = stack.enter_context(mmap.mmap(fd, pool.size, prot=mmap.PROT_READ))
         off = pooled_item.offset
 
         def read(item):
@@ -95,34 +103,35 @@ def measure(nbytes: int, budget: float = 0.4, rounds: int = ROUNDS) -> dict:
             seg.sent()
             return _item(seg.name, nbytes)
 
+        def copy(_):  # the ceiling: an in-process copy into a buffer the process already has
+            return transports.buffers.take(nbytes).copy_(src)
+
         def copy_mapped(_):  # reference only (mmsched does not do this): a copy out of a mapping kept open
             raw = transports.buffers.take(nbytes)
-            raw.numpy()[:] = view[off: off + nbytes]
+            view = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=off)
+            raw.numpy()[:] = view
+            del view  # the mapping can be closed only once no array exports it
             return raw
 
         approaches = {  # name: (op, setup)
-            "copy": (lambda _: src.clone(), None),
+            "copy": (copy, None),
             "fresh": (read, make),
             "pooled": (lambda _: read(pooled_item), None),
             "memfd": (lambda _: read(memfd_item), None),
             "mapped": (copy_mapped, None),
         }
-        for name, (op, setup) in approaches.items():  # warm: map each pool once, and check the bytes
-            assert torch.equal(op(setup() if setup else None), src), f"{name} read other bytes"
+        for name, (op, setup) in approaches.items():  # warm: map each pool once; and check the bytes
+            arg = setup() if setup else None
+            stale = transports.buffers.take(nbytes)  # the buffer the read will land in (the only
+            stale.fill_(0x5A)  # one idle: no result is held) holds other bytes first, so a read
+            del stale  # that wrote nothing cannot pass for one that did
+            assert torch.equal(op(arg), src), f"{name} read other bytes"
         times: dict[str, list[float]] = {name: [] for name in approaches}
         for _ in range(rounds):
             for name, (op, setup) in approaches.items():
                 times[name].append(_time(op, budget / rounds, setup, max_reps=400 if setup else 2000))
-    finally:
-        view = None  # drop the export before closing the mapping
-        if mm is not None:
-            mm.close()
-        if fd is not None:
-            os.close(fd)
-        transports.clear()
-        pool.close()
-        memfd.close()
-    row = {"bytes": nbytes, "rounds": rounds}
+        reused = transports.buffers.reused
+    row = {"bytes": nbytes, "rounds": rounds, "buffers_reused": reused}
     for name, ts in times.items():
         row[f"{name}_s"] = statistics.median(ts)
         row[f"{name}_gbps"] = nbytes / row[f"{name}_s"] / 1e9

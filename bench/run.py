@@ -3,8 +3,8 @@
     .venv/bin/python bench/run.py [--quick] [--json bench/results.json] [--budget-s 360]
 
 1. materialization (bench/materialize.py): GB/s of a fresh shm segment, of a pooled shm and a memfd pool
-   slice, opened as a rank opens them (warm caches, reused buffers), against ``clone()`` of an
-   in-process tensor, 64 KiB to 64 MiB; the approaches take turns, round by round;
+   slice, opened as a rank opens them (warm caches, reused buffers), against an in-process copy
+   into a reused buffer, 64 KiB to 64 MiB; the approaches take turns, round by round;
 2. throughput: the load generator (closed loop, fixed concurrency, bounded by count and
    time) against mmsched at tp=1 and tp=2 and against a bare ROUTER that only decodes
    and answers (bench/bare_router.py), for text-only requests and one 64 KiB shm, 1 MiB
@@ -298,7 +298,7 @@ def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: d
                             ("mapped", "pool mapping, numpy copy")):
             add("materialize", f"{_size(r['bytes'])} {label}", f"{r[kind + '_gbps']:.2f} GB/s",
                 f"{r['copy_gbps']:.2f} GB/s", r[f"{kind}_ratio"], TARGETS.get(("materialize", kind, r["bytes"])),
-                "in-process clone")
+                "in-process copy")
     for r in lat:
         tp = r["target"][-1]
         for q in ("p50", "p99"):

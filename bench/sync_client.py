@@ -8,8 +8,9 @@ Why: a target met only with our own load generator is not met (issue 13). It sen
 - closed loop: 256 requests in flight, for ``--closed`` seconds; throughput in req/s;
 - open loop: one request every 1/``--rate`` s on a fixed schedule (not waiting for
   replies), for ``--open`` seconds; p50/p99 of send-to-reply in ms, and the share of a
-  core the client itself used (it waits in ``poll`` in whole milliseconds: on 2 cores a
-  client that spins leaves the server one).
+  core the client itself used. It waits in ``poll``, in whole milliseconds (on 2 cores a
+  client that spins leaves the server one), so above 1000 req/s the requests due within
+  a millisecond go out together, up to ~1 ms late; latency counts from the actual send.
 
 Prints one JSON line; ``run.py`` calls ``closed``/``open_loop`` directly.
 """

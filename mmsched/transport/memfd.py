@@ -4,8 +4,8 @@ A pooled shm segment is read with ``pread`` because its owner may truncate it, a
 mapping touched past the end of its file is a SIGBUS that kills the rank. A memfd sealed
 with ``F_SEAL_SHRINK | F_SEAL_GROW`` cannot change size (the kernel refuses its owner's
 ``ftruncate``), so each rank maps a pool once (``MemfdCache``, a ``LeasedCache`` keyed by
-``(pid, fd)``) and copies slices out of the mapping: ~0.86 of an in-process copy at
-16 MiB against ~0.45 for ``pread``. Before a mapping is trusted, and on every item, a pool
+``(pid, fd)``) and copies slices out of the mapping: at 16 MiB ~0.75-0.88 of an
+in-process copy into a reused buffer, against ~0.47-0.56 for ``pread`` (bench/materialize.py). Before a mapping is trusted, and on every item, a pool
 is refused (an error for that request only) when it is not a memfd, not sealed, backed by
 huge pages, sparse (a hole reads as zeros: a wrong 200), or not the inode the item names
 (the client's descriptor number now holds another file). The client's side is

@@ -22,6 +22,7 @@ def test_bench_materialize_prints_a_row_per_size(tmp_path):
     assert [row[:2] for row in printed] == [["64", "KiB"], ["2", "MiB"]], proc.stdout
     rows = json.loads(out.read_text())
     assert [r["bytes"] for r in rows] == [64 << 10, 2 << 20]
+    assert rows[1]["buffers_reused"] > 0  # 2 MiB: read into the buffers a rank reuses, as the copy is
     for r in rows:
         assert r["rounds"] >= 3 and r["copy_gbps"] > 0
         for kind in KINDS:
