@@ -91,10 +91,8 @@ def _worker(rank: int, world: int, port: int, batches: list[int], budget: float,
                 fn(group, flags, errors)
                 one = max(time.perf_counter() - t0, 1e-7)  # one batch
                 reps[name] = max(1, int(budget / ROUNDS / one))
-            rounds = ROUNDS if min(reps.values()) > 1 else MIN_ROUNDS
-            for name in approaches:
-                reps[name], = agreed(reps[name])
-            rounds, = agreed(rounds)
+            *counts, rounds = agreed(*reps.values(), ROUNDS if min(reps.values()) > 1 else MIN_ROUNDS)
+            reps = dict(zip(reps, counts))
             for _ in range(rounds):  # the approaches alternate round by round: the host's noise
                 for name, fn in approaches.items():  # (it drifts over seconds) falls on both
                     group.all_gather(barrier)  # start every round together

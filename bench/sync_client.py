@@ -77,12 +77,11 @@ def closed(address: str, seconds: float, inflight: int = 256) -> dict:
 def open_loop(address: str, rate: float, seconds: float) -> dict:
     """Send on a fixed schedule whatever the replies do; latency percentiles in ms."""
     s = _socket(address)
-    cpu = time.process_time()
     n = int(rate * seconds)
     sent_at: dict[str, float] = {}
     lat: list[float] = []
     bad = 0
-    t0 = time.perf_counter()
+    t0, cpu = time.perf_counter(), time.process_time()
     i = 0
     while i < n or (sent_at and time.perf_counter() < t0 + seconds + 5):
         due = t0 + i / rate if i < n else t0 + seconds + 5

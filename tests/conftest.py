@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -128,6 +129,27 @@ def pid_alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@contextlib.contextmanager
+def bare_router(max_seconds: float = 120):
+    """bench/bare_router.py (the throughput ceiling: decodes and answers, nothing more) on a
+    private ipc:// address, yielded; stopped (killed if it will not stop) on the way out."""
+    addr = f"ipc:///tmp/mmsched-test-bare-{uuid.uuid4().hex[:8]}.sock"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "bench", "bare_router.py"), addr,
+                             "--max-seconds", str(max_seconds)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        yield addr
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()
 
 
 class Server:

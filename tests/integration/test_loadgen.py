@@ -21,6 +21,8 @@ import pytest
 from mmsched import loadgen
 from mmsched.loadgen import LoadSpec
 
+from ..conftest import bare_router
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -167,18 +169,9 @@ def test_verify_checks_every_200_against_the_bytes_sent(shared_server, tmp_path)
     assert "200 results carried exactly the bytes sent, 0 carried other bytes" in proc.stdout
 
     # a server that answers 200 without reading the features (the bare ROUTER ceiling)
-    addr = f"ipc:///tmp/mmsched-test-bare-{uuid.uuid4().hex[:8]}.sock"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    bare = subprocess.Popen([sys.executable, os.path.join(root, "bench", "bare_router.py"), addr,
-                             "--max-seconds", "60"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert bare.stdout.readline().strip() == "ready"
+    with bare_router(max_seconds=60) as addr:
         proc = subprocess.run([*base, "--frontend", addr, "--json", str(out)], capture_output=True, text=True,
                               timeout=120)
-    finally:
-        bare.terminate()
-        bare.wait(10)
-        bare.stdout.close()
     assert not os.path.exists(addr[len("ipc://"):]), "the bare router left its socket file in /tmp"
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "FAIL: 200s with bytes that were not sent" in proc.stdout

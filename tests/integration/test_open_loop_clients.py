@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
 from mmsched.loadgen import LoadSpec, loop
 from mmsched.loadgen.runner import run_sync
+
+from ..conftest import bare_router
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECONDS = 2.0
@@ -24,20 +24,8 @@ SECONDS = 2.0
 
 @pytest.fixture(scope="module")
 def bare():
-    addr = f"ipc:///tmp/mmsched-test-bare-{uuid.uuid4().hex[:8]}.sock"
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "bare_router.py"), addr,
-                             "--max-seconds", "120"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
+    with bare_router() as addr:
         yield addr
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        proc.stdout.close()
 
 
 def test_the_load_generators_open_loop_leaves_the_cores_to_the_server(bare, monkeypatch):
