@@ -199,6 +199,18 @@ class Client:
         self._sock.send_multipart([body, *frames], copy=False)
         return fut
 
+    def give_up(self, rid: str) -> None:
+        """Stop waiting for ``rid``'s result (its connection was replaced: no reply can come).
+        Its future is cancelled and its segments' locks dropped, so the server's sweep may
+        reclaim them once no request names them; its pool slices stay taken (a rank may still
+        be reading them). A reply that comes after all is unrouted."""
+        fut = self._results.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+        held = self._held.pop(rid, None)
+        if held is not None:
+            held.unlock()
+
     async def wait(self, rid: str, fut: asyncio.Future, timeout: float | None = None) -> Result:
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout or self.timeout)

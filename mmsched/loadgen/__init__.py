@@ -42,7 +42,11 @@ When the server goes away (a 503 ``service unavailable: …``: draining, stopped
 broken; the connection lost for ``LATE_S``, not just dropped and reconnected; or no pong
 for ``GONE_S``), the generator stops sending at once (a lost connection pauses it):
 requests sent into a socket nobody reads would be lost results and segments nobody
-unlinks. With no pong at the start it sends nothing and says so.
+unlinks. With no pong at the start it sends nothing and says so. A connection dropped
+and made again (the server dropped it, or was replaced at the same address) loses the
+replies to what the server had read: ``REPLACED_S`` after the new connection, requests
+sent before it and still unanswered are given up (lost, their segments' locks dropped)
+and a closed loop sends again in their slots; every session brings its features again.
 
 Segments: the prefixed segments in /dev/shm are listed before and after. Segments this
 process created (``<prefix><pid>_…``) and that are still there at the end are a leak;
@@ -51,13 +55,13 @@ the generator's own pools are removed before the count.
 
 from __future__ import annotations
 
-from .loop import GONE_S, LATE_S
+from .loop import GONE_S, LATE_S, REPLACED_S
 from .plot import PLOT_NEEDS, can_plot, write_plot
 from .records import Records, summarize
 from .report import Report, _finite, format_table, write_json
 from .runner import list_segments, run, run_sync
 from .spec import CLIENT_FAULTS, EXPECTED, LOST, TRANSPORTS, LoadSpec, parse_size
 
-__all__ = ["CLIENT_FAULTS", "EXPECTED", "GONE_S", "LATE_S", "LOST", "PLOT_NEEDS", "TRANSPORTS", "LoadSpec", "Records", "Report",
+__all__ = ["CLIENT_FAULTS", "EXPECTED", "GONE_S", "LATE_S", "LOST", "REPLACED_S", "PLOT_NEEDS", "TRANSPORTS", "LoadSpec", "Records", "Report",
            "can_plot", "format_table", "list_segments", "parse_size", "run", "run_sync", "summarize", "write_json",
            "write_plot"]

@@ -17,6 +17,10 @@ from .spec import CLIENT_FAULTS, LoadSpec
 
 GONE_S = 4.0  # no pong for this long while running: the server is gone
 LATE_S = 0.5  # a connection still lost after this long (ZeroMQ reconnects in ~0.1 s): the server is gone
+# this long after a new connection, the requests sent before it that are still unanswered are
+# given up (a reply the old one carried has been read by then; a request ZeroMQ still held is
+# answered by then): counted as lost, and a closed loop sends again in their slots
+REPLACED_S = 2.0
 # the open loop's shortest sleep: uvloop rounds a delay to whole milliseconds and runs one under
 # 0.5 ms at once, so shorter waits between arrivals spun a core (0.8-1.0 of one at 1000-1900 req/s)
 # that a 2-core server needs; arrivals due within it go out together, on time or up to 1 ms late
@@ -45,6 +49,7 @@ class Run:
         self.tasks: set[asyncio.Task] = set()  # aborts in flight (the loop keeps only weak references)
         self.errors: list[str] = []
         self.stopped_by: str | None = None  # why sending stopped before its count and duration
+        self.given_up: set[int] = set()  # rows sent before the connection was replaced, never answered
         self._checked_at, self.paused = -math.inf, False  # the connection, as _paused last saw it
 
     async def watch(self, every_s: float = 1.0) -> None:
@@ -69,12 +74,29 @@ class Run:
         lost_since, connections = None, self.client.connections
         while not self.all_done.is_set():
             if not self.client.connection_lost() or self.client.connections != connections:
+                if self.client.connections != connections:
+                    self._replaced()
                 lost_since, connections = None, self.client.connections  # (a reconnect between two looks)
             elif lost_since is None:
                 lost_since = time.perf_counter()
             elif time.perf_counter() - lost_since >= LATE_S:
                 return self._gone("the server is going away (it closed the connection): stopped sending")
             await asyncio.sleep(every_s)
+
+    def _replaced(self) -> None:
+        """A new connection: the server keeps sessions per connection, so every session's next
+        turn brings its features again; what is still unanswered from before is given up later."""
+        for sess in self.sessions:
+            sess.stored = False
+        at = time.perf_counter() - self.t0
+        asyncio.get_running_loop().call_later(REPLACED_S, self._give_up_before, at)
+
+    def _give_up_before(self, at: float) -> None:
+        """No reply can come for what was sent before ``at`` and is still unanswered: lost."""
+        rows = [row for row in self.futs if self.rec.t_send[row] < at]
+        self.given_up.update(rows)
+        for row in rows:
+            self.client.give_up(self.rec.rid[row])  # its future is cancelled: _on_result
 
     def _gone(self, why: str) -> None:
         """The run ends here: nobody will answer what is outstanding."""
@@ -155,7 +177,11 @@ class Run:
         t = time.perf_counter() - self.t0
         self.futs.pop(row, None)
         if fut.cancelled():
-            return  # the run is over: it stays lost
+            if row in self.given_up:  # its connection was replaced: it stays lost, its slot goes on
+                self.outstanding -= 1
+                self.want.pop(row, None)
+                self._go_on(sess, self._lost_turn)
+            return  # else the run is over: it stays lost
         res = fut.result()
         self.rec.t_recv[row], self.rec.status[row] = t, res.status
         want = self.want.pop(row, None)
@@ -168,9 +194,15 @@ class Run:
         if res.status == 503 and res.message.startswith("service unavailable") and self.sending:
             self.stopped_by = self.stopped_by or f"the server is going away ({res.message}): stopped sending"
             self.stop_sending()
+        self._go_on(sess, lambda: self._next_turn(sess, res.status, self.rec.transport[row] != "ref"))
+
+    def _go_on(self, sess: Session | None, turn) -> None:
+        """After a result (or a given-up request): ``turn()`` for a session's turn, else the
+        closed loop's next request in the slot."""
         try:
             if sess is not None:
-                self._next_turn(sess, res.status, self.rec.transport[row] != "ref")
+                sess.busy = False
+                turn()
             elif self.spec.concurrency is not None and self.sending:
                 self.send_one()
         except Exception as exc:  # noqa: BLE001 - a send that cannot be made ends the send phase
@@ -179,13 +211,18 @@ class Run:
         self._check_done()
 
     # -- sessions
+    def _lost_turn(self) -> None:
+        """A session whose turn was given up ends there (what it kept was the old connection's);
+        a closed loop starts a new one in its slot."""
+        if self.spec.concurrency is not None and self.sending:
+            self.send_one(self._new_session())
+
     def _new_session(self) -> Session:
         sess = Session(len(self.sessions), self.tag)
         self.sessions.append(sess)
         return sess
 
     def _next_turn(self, sess: Session, status: int, brought: bool) -> None:
-        sess.busy = False
         if status == 200 and brought and self.spec.items > 0:
             sess.stored = True
         sess.turn += 1

@@ -18,7 +18,7 @@ from ..client import Client
 from ..devices import CudaDevice, ShmDevice
 from ..producers import IpcPool, MemfdPool, ShmPool
 from ..segments import SHM_DIR
-from .loop import Run
+from .loop import REPLACED_S, Run
 from .records import summarize
 from .report import Report
 from .spec import LoadSpec
@@ -115,6 +115,9 @@ async def _wind_up(r: Run, notes: list[str]) -> None:
     if r.tasks:
         await asyncio.gather(*r.tasks, return_exceptions=True)
     notes.extend(f"error: {e}" for e in r.errors[:5])
+    if r.given_up:
+        notes.append(f"note: {len(r.given_up)} request(s) sent before the connection was replaced got no "
+                     f"reply within {REPLACED_S:g} s of it: counted as lost")
     if r.closing:
         done = await asyncio.gather(*r.closing, return_exceptions=True)
         bad = sum(isinstance(d, BaseException) for d in done)

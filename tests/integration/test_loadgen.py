@@ -281,6 +281,57 @@ async def test_a_generator_the_server_drops_for_an_oversized_frame_goes_on(start
     assert s["lost"] <= 100, figures  # those in flight at the drop: their replies went to the old connection
 
 
+def _bare(path: str) -> subprocess.Popen:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "bench", "bare_router.py"), f"ipc://{path}",
+                             "--max-seconds", "60"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+async def test_a_closed_loop_keeps_its_concurrency_after_its_connection_is_replaced(tmp_path):
+    """A server that stops answering, then is replaced at the same address: the requests it
+    had read get no reply. The closed loop gives them up once the new connection has been up
+    for REPLACED_S and sends again in their slots, so it goes on at its concurrency (before:
+    every slot waited to the end, the run sent nothing more, and then counted them lost)."""
+    import asyncio
+
+    import numpy as np
+
+    from mmsched.client import Client
+
+    first, second = str(tmp_path / "a.sock"), str(tmp_path / "b.sock")
+    old, new = _bare(first), _bare(second)
+    try:
+        spec = LoadSpec(frontend=f"ipc://{first}", concurrency=8, requests=1_000_000, duration=5.0, drain_s=3,
+                        items=0, seed=4)
+        client = Client(spec.frontend)
+        loop = asyncio.get_running_loop()
+
+        def replace() -> None:  # the stopped server read the 8 in flight; the new one takes its address
+            old.kill()
+            os.rename(second, first)
+        loop.call_later(0.5, old.send_signal, signal.SIGSTOP)
+        loop.call_later(0.8, replace)
+        async with client:
+            report = await loadgen.run(spec, client)
+    finally:
+        for proc in (old, new):
+            proc.kill()
+            proc.wait(10)
+            proc.stdout.close()
+    s, rec = report.summary, report.records
+    figures = (s["sent"], s["lost"], report.error, report.notes)
+    assert report.error is None and s["lost"] == 8, figures
+    assert any("8 request(s) sent before the connection was replaced" in n for n in report.notes), figures
+    assert not any("still missing" in n for n in report.notes), figures  # none waited for the drain
+    t_send, t_recv = np.asarray(rec.t_send), np.asarray(rec.t_recv, dtype=np.float64)
+    # in flight at an instant: sent before it, answered after it (a slot between a reply and its
+    # next send is in neither for some µs): after the new connection (~0.9 s) and the give-up
+    in_flight = max(int(((t_send <= at) & (t_recv > at)).sum()) for at in np.linspace(3.5, 4.5, 11))
+    assert in_flight == 8, figures + (in_flight,)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed here")
 def test_plot_without_matplotlib_fails_before_the_run(tmp_path):
     """Issue 17 item 5: ``--plot`` without matplotlib used to fail only after the whole run."""
