@@ -201,6 +201,10 @@ def latency(procs: dict[str, Proc], tput: list[dict], quick: bool) -> list[dict]
     return rows
 
 
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def sync_client(procs: dict[str, Proc], quick: bool) -> dict:
     """The plain synchronous client against bare, tp1, tp2: closed-loop rate, open-loop latency."""
     import sync_client as sc
@@ -214,9 +218,18 @@ def sync_client(procs: dict[str, Proc], quick: bool) -> dict:
         out["open"][target] = sc.open_loop(procs[target].addr, SYNC_RATE, secs)
     c, o = out["closed"], out["open"]
     print(f"  sync client closed: bare {c['bare']['rate']:.0f} tp1 {c['tp1']['rate']:.0f} "
-          f"tp2 {c['tp2']['rate']:.0f} req/s; open @ {SYNC_RATE:.0f}: p50 bare {o['bare']['p50_ms']} "
-          f"tp1 {o['tp1']['p50_ms']} tp2 {o['tp2']['p50_ms']} ms (the client used "
+          f"tp2 {c['tp2']['rate']:.0f} req/s; open @ {SYNC_RATE:.0f}: p50 bare {_ms(o['bare']['p50_ms'])} "
+          f"tp1 {_ms(o['tp1']['p50_ms'])} tp2 {_ms(o['tp2']['p50_ms'])} ms (the client used "
           f"{max(r['client_cores'] for r in o.values()):.2f} cores at most)", file=sys.stderr, flush=True)
+    out["half"] = {}
+    for target in ("tp1", "tp2"):  # half of its own closed-loop maximum, as the load generator's rows
+        rate = 0.5 * c[target]["rate"]
+        if rate > 0:
+            h = out["half"][target] = {"rate": rate, "ours": sc.open_loop(procs[target].addr, rate, secs),
+                                       "bare": sc.open_loop(procs["bare"].addr, rate, secs)}
+            print(f"  sync client {target} @ {rate:.0f} req/s (0.5 x max): p50 {_ms(h['ours']['p50_ms'])} ms "
+                  f"p99 {_ms(h['ours']['p99_ms'])} ms (bare {_ms(h['bare']['p50_ms'])} / {_ms(h['bare']['p99_ms'])}; "
+                  f"the client used {h['ours']['client_cores']:.2f} cores)", file=sys.stderr, flush=True)
     return out
 
 
@@ -253,7 +266,8 @@ def _size(n: int) -> str:
 
 
 def _sync_rows(add, sync: dict) -> None:
-    """The plain synchronous client's rows: closed-loop throughput, open-loop p50/p99 at SYNC_RATE."""
+    """The plain synchronous client's rows: closed-loop throughput, open-loop p50/p99 at SYNC_RATE
+    and at half its own closed-loop maximum (the load generator's latency rows, with a light client)."""
     closed, opened = sync.get("closed", {}), sync.get("open", {})
     for tp in (1, 2):
         ours, bare = closed.get(f"tp{tp}"), closed.get("bare")
@@ -272,6 +286,18 @@ def _sync_rows(add, sync: dict) -> None:
                 "-" if o is None else f"{o:.2f} ms", "-" if b is None else f"{b:.2f} ms",
                 b / o if o and b else 0.0, None, "bare ROUTER, same rate", limit_ms=limit,
                 ms=None if ours["bad"] or ours["lost"] else o)  # a non-200 or lost reply misses the target
+    for tp in (1, 2):
+        half = sync.get("half", {}).get(f"tp{tp}")
+        if not half:
+            continue
+        ours, bare = half["ours"], half["bare"]
+        for q in ("p50", "p99"):
+            o, b = ours[f"{q}_ms"], bare[f"{q}_ms"]
+            add("sync client", f"tp={tp} text-only {q} open loop @ {half['rate']:.0f} req/s (0.5 x max)",
+                "-" if o is None else f"{o:.2f} ms", "-" if b is None else f"{b:.2f} ms",
+                b / o if o and b else 0.0, None, "bare ROUTER, same rate",
+                limit_ms=HALF_RATE_P50_MS if q == "p50" else None,
+                ms=None if ours["bad"] or ours["lost"] else o)
 
 
 def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: dict,

@@ -28,3 +28,21 @@ def test_a_zero_rate_gives_a_table_not_a_crash():
     text, rows = bench.table([], tput, lat, {}, {})
     assert "tp=1 text-only (C=128)" in text and "tp=1 text-only p50" in text
     assert {r["ratio"] for r in rows if r["section"] in ("throughput", "latency")} == {0.0}
+
+
+def sync_run(p50, p99, lost=0) -> dict:
+    return {"rate": 1000.0, "sent": 10, "completed": 10 - lost, "bad": 0, "lost": lost, "p50_ms": p50,
+            "p99_ms": p99, "client_cores": 0.2}
+
+
+def test_the_plain_clients_half_rate_rows_are_judged_against_the_2_ms_target():
+    bench = load_bench_run()
+    sync = {"closed": {}, "open": {},
+            "half": {"tp1": {"rate": 3700.0, "ours": sync_run(0.9, 3.0), "bare": sync_run(0.3, 1.0)},
+                     "tp2": {"rate": 2500.0, "ours": sync_run(None, None, lost=10), "bare": sync_run(0.3, 1.0)}}}
+    _, rows = bench.table([], [], [], {}, {}, sync)
+    half = {r["case"]: r["verdict"] for r in rows if "(0.5 x max)" in r["case"]}
+    assert half == {"tp=1 text-only p50 open loop @ 3700 req/s (0.5 x max)": "ok",
+                    "tp=1 text-only p99 open loop @ 3700 req/s (0.5 x max)": "",
+                    "tp=2 text-only p50 open loop @ 2500 req/s (0.5 x max)": "MISSED",  # nothing came back
+                    "tp=2 text-only p99 open loop @ 2500 req/s (0.5 x max)": ""}
