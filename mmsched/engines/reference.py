@@ -100,7 +100,7 @@ class ReferenceEngine:
 
     def step(self, requests: list[EngineRequest]) -> list[dict | Exception]:
         n = len(requests)
-        x = torch.zeros(n, self.width, dtype=torch.float64)  # as wide as the widest shard: rows of one width
+        x = torch.from_numpy(np.zeros((n, self.width)))  # as wide as the widest shard: rows of one width
         failed = self.encode_batch(requests, x.numpy()[:, : self.span[1] - self.span[0]]) if n else {}
         joined = self._gather(x, failed)
         if self.rank != 0:  # only rank 0's outputs are sent: the others do not render theirs

@@ -37,17 +37,17 @@ class Materialized:
     errors: dict[int, str] = field(default_factory=dict)
     tensors: list[list[torch.Tensor]] = field(init=False)
     digests: list[list[str] | None] = field(init=False)
-    prefixes: torch.Tensor = field(init=False)
+    prefixes: np.ndarray = field(init=False)  # [n, 1] int64 (numpy: no torch op for a text-only batch)
 
     def __post_init__(self) -> None:
         self.flags = np.zeros(self.n, dtype=np.int64)
         self.tensors = [[] for _ in range(self.n)]
         self.digests = [None] * self.n
-        self.prefixes = torch.zeros(self.n, 1, dtype=torch.int64)
+        self.prefixes = np.zeros((self.n, 1), dtype=np.int64)
 
     @property
     def aborted(self) -> frozenset[int]:
-        return frozenset(np.flatnonzero(self.flags == consensus.ABORTED).tolist())
+        return frozenset(i for i, f in enumerate(self.flags.tolist()) if f == consensus.ABORTED)
 
 
 def materialize(reqs: list[Request], opened: list[list], faults: Faults, stall_s: float,
@@ -75,7 +75,7 @@ def materialize(reqs: list[Request], opened: list[list], faults: Faults, stall_s
 
 def agree(group, m: Materialized) -> tuple[consensus.Verdict, list[list[int]]]:
     """One collective: the verdict, and per request the ranks whose digests differ from rank 0's."""
-    verdict = consensus.agree(group, m.flags, m.errors, extra=m.prefixes)
+    verdict = consensus.agree(group, m.flags, m.errors, extra=torch.from_numpy(m.prefixes))
     prefixes = verdict.extra[:, :, 0]
     differs = (prefixes != prefixes[0:1]).numpy()
     mismatch: list[list[int]] = [[] for _ in range(m.n)]
