@@ -224,7 +224,10 @@ def sync_client(procs: dict[str, Proc], quick: bool) -> dict:
     out["half"] = {}
     for target in ("tp1", "tp2"):  # half of its own closed-loop maximum, as the load generator's rows
         rate = 0.5 * c[target]["rate"]
-        if rate > 0:
+        if rate <= 0:  # as latency(): the closed-loop row says why
+            print(f"  sync client {target} half rate: skipped, its closed loop completed nothing",
+                  file=sys.stderr, flush=True)
+        else:
             h = out["half"][target] = {"rate": rate, "ours": sc.open_loop(procs[target].addr, rate, secs),
                                        "bare": sc.open_loop(procs["bare"].addr, rate, secs)}
             print(f"  sync client {target} @ {rate:.0f} req/s (0.5 x max): p50 {_ms(h['ours']['p50_ms'])} ms "

@@ -44,9 +44,10 @@ for ``GONE_S``), the generator stops sending at once (a lost connection pauses i
 requests sent into a socket nobody reads would be lost results and segments nobody
 unlinks. With no pong at the start it sends nothing and says so. A connection dropped
 and made again (the server dropped it, or was replaced at the same address) loses the
-replies to what the server had read: ``REPLACED_S`` after the new connection, requests
-sent before it and still unanswered are given up (lost, their segments' locks dropped)
-and a closed loop sends again in their slots; every session brings its features again.
+replies to what the server had read: ``drain_s`` (at least ``REPLACED_S``) after the new
+connection, requests sent before it and still unanswered are given up (lost, their
+segments' locks dropped, their pool slices kept) and a closed loop sends again in their
+slots; every session brings its features again.
 
 Segments: the prefixed segments in /dev/shm are listed before and after. Segments this
 process created (``<prefix><pid>_…``) and that are still there at the end are a leak;
@@ -55,7 +56,7 @@ the generator's own pools are removed before the count.
 
 from __future__ import annotations
 
-from .loop import GONE_S, LATE_S, REPLACED_S
+from .watch import GONE_S, LATE_S, REPLACED_S
 from .plot import PLOT_NEEDS, can_plot, write_plot
 from .records import Records, summarize
 from .report import Report, _finite, format_table, write_json

@@ -14,13 +14,8 @@ from ..client import Client
 from .mix import Mix, Session
 from .records import Records
 from .spec import CLIENT_FAULTS, LoadSpec
+from .watch import Watch
 
-GONE_S = 4.0  # no pong for this long while running: the server is gone
-LATE_S = 0.5  # a connection still lost after this long (ZeroMQ reconnects in ~0.1 s): the server is gone
-# this long after a new connection, the requests sent before it that are still unanswered are
-# given up (a reply the old one carried has been read by then; a request ZeroMQ still held is
-# answered by then): counted as lost, and a closed loop sends again in their slots
-REPLACED_S = 2.0
 # the open loop's shortest sleep: uvloop rounds a delay to whole milliseconds and runs one under
 # 0.5 ms at once, so shorter waits between arrivals spun a core (0.8-1.0 of one at 1000-1900 req/s)
 # that a 2-core server needs; arrivals due within it go out together, on time or up to 1 ms late
@@ -28,7 +23,7 @@ MIN_SLEEP_S = 0.001
 _RUNS = itertools.count()
 
 
-class Run:
+class Run(Watch):
     """One run's state. Callbacks (no task per request): a result arriving sends the next request."""
 
     def __init__(self, spec: LoadSpec, client: Client, rng: random.Random):
@@ -50,66 +45,7 @@ class Run:
         self.errors: list[str] = []
         self.stopped_by: str | None = None  # why sending stopped before its count and duration
         self.given_up: set[int] = set()  # rows sent before the connection was replaced, never answered
-        self._checked_at, self.paused = -math.inf, False  # the connection, as _paused last saw it
-
-    async def watch(self, every_s: float = 1.0) -> None:
-        """Ping while the run lasts: no pong for GONE_S means nobody reads what we send."""
-        last = time.perf_counter()
-        while not self.all_done.is_set():
-            try:
-                await self.client.ping(timeout=every_s)
-                last = time.perf_counter()
-            except asyncio.TimeoutError:
-                if time.perf_counter() - last >= GONE_S:
-                    return self._gone(f"no pong from {self.spec.frontend} for {GONE_S:g} s: the server is gone")
-                continue
-            await asyncio.sleep(every_s)
-
-    async def watch_connection(self, every_s: float = 0.05) -> None:
-        """A lost connection pauses the open loop (what is sent meanwhile is read by nobody;
-        the closed loop has at most its concurrency out); one still lost after ``LATE_S``
-        ends the run: the server is gone, even if no 503 said so (a client stalled while the
-        server drained and left got none). ZeroMQ reconnects within ~0.1 s to a server that
-        only dropped us (say, for an oversized frame)."""
-        lost_since, connections = None, self.client.connections
-        while not self.all_done.is_set():
-            if not self.client.connection_lost() or self.client.connections != connections:
-                if self.client.connections != connections:
-                    self._replaced()
-                lost_since, connections = None, self.client.connections  # (a reconnect between two looks)
-            elif lost_since is None:
-                lost_since = time.perf_counter()
-            elif time.perf_counter() - lost_since >= LATE_S:
-                return self._gone("the server is going away (it closed the connection): stopped sending")
-            await asyncio.sleep(every_s)
-
-    def _replaced(self) -> None:
-        """A new connection: the server keeps sessions per connection, so every session's next
-        turn brings its features again; what is still unanswered from before is given up later."""
-        for sess in self.sessions:
-            sess.stored = False
-        at = time.perf_counter() - self.t0
-        asyncio.get_running_loop().call_later(REPLACED_S, self._give_up_before, at)
-
-    def _give_up_before(self, at: float) -> None:
-        """No reply can come for what was sent before ``at`` and is still unanswered: lost."""
-        rows = [row for row in self.futs if self.rec.t_send[row] < at]
-        self.given_up.update(rows)
-        for row in rows:
-            self.client.give_up(self.rec.rid[row])  # its future is cancelled: _on_result
-
-    def _gone(self, why: str) -> None:
-        """The run ends here: nobody will answer what is outstanding."""
-        self.stopped_by = self.stopped_by or why
-        self.stop_sending()
-        self.all_done.set()
-
-    def _paused(self) -> bool:
-        """Whether the connection is lost; asked of the client at most once a millisecond (~4 µs a time)."""
-        now = time.perf_counter()
-        if now - self._checked_at >= 0.001:
-            self._checked_at, self.paused = now, self.client.connection_lost()
-        return self.paused
+        Watch.__init__(self)
 
     # -- sending
     def send_one(self, sess: Session | None = None) -> bool:
@@ -119,6 +55,8 @@ class Run:
         if len(self.rec) >= (self.spec.requests or math.inf) or time.perf_counter() >= self.send_until:
             self.stop_sending()
             return False
+        if sess is not None and sess.stored:
+            self._look()  # a turn that would refer to kept features: kept on this connection still?
         transport, fault, sizes, ids_k = self.mix.draw()
         rid = self.client.new_rid()
         if fault == "fail":

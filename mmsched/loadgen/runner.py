@@ -18,7 +18,7 @@ from ..client import Client
 from ..devices import CudaDevice, ShmDevice
 from ..producers import IpcPool, MemfdPool, ShmPool
 from ..segments import SHM_DIR
-from .loop import REPLACED_S, Run
+from .loop import Run
 from .records import summarize
 from .report import Report
 from .spec import LoadSpec
@@ -54,7 +54,8 @@ async def run(spec: LoadSpec, client: Client | None = None) -> Report:
         logging.getLogger("mmsched.client").removeFilter(fallbacks)
         if fallbacks.count:
             notes.append(f"note: {fallbacks.count} feature(s) fell back from their pool to a fresh segment "
-                         "(pool full: raise --pool-mb)")
+                         + ("(pool full: requests given up after a reconnect keep their slices)" if r.given_up
+                            else "(pool full: raise --pool-mb)"))
     return _report(spec, r, elapsed, before, notes)
 
 
@@ -117,7 +118,7 @@ async def _wind_up(r: Run, notes: list[str]) -> None:
     notes.extend(f"error: {e}" for e in r.errors[:5])
     if r.given_up:
         notes.append(f"note: {len(r.given_up)} request(s) sent before the connection was replaced got no "
-                     f"reply within {REPLACED_S:g} s of it: counted as lost")
+                     f"reply within {r.give_up_s:g} s of it: counted as lost (their pool slices stay taken)")
     if r.closing:
         done = await asyncio.gather(*r.closing, return_exceptions=True)
         bad = sum(isinstance(d, BaseException) for d in done)
