@@ -55,8 +55,9 @@ class Run(Watch):
         if len(self.rec) >= (self.spec.requests or math.inf) or time.perf_counter() >= self.send_until:
             self.stop_sending()
             return False
-        if sess is not None and sess.stored:
-            self._look()  # a turn that would refer to kept features: kept on this connection still?
+        self._paused()  # a new connection seen within a millisecond: what is sent from now is not given up
+        if sess is not None and sess.stored and self._look():
+            sess.stored = False  # no connection: the one made next keeps none of its features
         transport, fault, sizes, ids_k = self.mix.draw()
         rid = self.client.new_rid()
         if fault == "fail":

@@ -86,6 +86,7 @@ def _open_pools(spec: LoadSpec, client: Client, ranks: int, pools: list) -> None
 async def _send_phase(spec: LoadSpec, r: Run, notes: list[str]) -> float:
     """The loop, then at most ``drain_s`` for the results outstanding; returns the run's elapsed seconds."""
     progress = asyncio.ensure_future(_progress(r)) if spec.progress else None
+    r.start_watching()
     watch = asyncio.gather(r.watch(), r.watch_connection())
     r.t0 = time.perf_counter()
     r.send_until = r.t0 + spec.duration
@@ -118,7 +119,9 @@ async def _wind_up(r: Run, notes: list[str]) -> None:
     notes.extend(f"error: {e}" for e in r.errors[:5])
     if r.given_up:
         notes.append(f"note: {len(r.given_up)} request(s) sent before the connection was replaced got no "
-                     f"reply within {r.give_up_s:g} s of it: counted as lost (their pool slices stay taken)")
+                     f"reply within {r.give_up_s:g} s of it: counted as lost"
+                     + (" (their pool slices stay taken)" if {"pooled", "memfd"} & set(r.spec.transports)
+                        and r.spec.items else ""))
     if r.closing:
         done = await asyncio.gather(*r.closing, return_exceptions=True)
         bad = sum(isinstance(d, BaseException) for d in done)

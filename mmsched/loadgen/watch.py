@@ -22,7 +22,14 @@ REPLACED_S = 1.0
 class Watch:
     def __init__(self):
         self._checked_at, self.paused = -math.inf, False  # the connection, as _paused last saw it
-        self._connections = 0  # connections seen by _look: the first (the pong's) is not a replacement
+        self._connections = 0  # connections seen by _look (from start_watching's count on)
+
+    def start_watching(self) -> None:
+        """The connections made before the run (a client may have reconnected already): only
+        one made after them replaces another; a count of 0 (its monitor not read yet) lets
+        the first connection come without counting as a replacement."""
+        self.client.connection_lost()
+        self._connections = self.client.connections
 
     async def watch(self, every_s: float = 1.0) -> None:
         """Ping while the run lasts: no pong for GONE_S means nobody reads what we send."""
@@ -43,11 +50,10 @@ class Watch:
         ends the run: the server is gone, even if no 503 said so (a client stalled while the
         server drained and left got none). ZeroMQ reconnects within ~0.1 s to a server that
         only dropped us (say, for an oversized frame)."""
-        lost_since = None
+        lost_since, seen = None, self.client.connections
         while not self.all_done.is_set():
-            seen = self._connections
-            if not self._look() or self._connections != seen:  # (a reconnect between two looks)
-                lost_since = None
+            if not self._look() or self.client.connections != seen:  # (a reconnect between two looks)
+                lost_since, seen = None, self.client.connections
             elif lost_since is None:
                 lost_since = time.perf_counter()
             elif time.perf_counter() - lost_since >= LATE_S:
