@@ -280,27 +280,24 @@ def _sync_rows(add, sync: dict) -> None:
                 SYNC_TARGETS[tp], "bare ROUTER")
     for tp in (1, 2):
         ours, bare = opened.get(f"tp{tp}"), opened.get("bare")
-        if not (ours and bare):
-            continue
-        for q in ("p50", "p99"):
-            o, b = ours[f"{q}_ms"], bare[f"{q}_ms"]
-            limit = (b or 0.0) + SYNC_P50_SLACK_MS[tp] if q == "p50" else P99_MAX_MS
-            add("sync client", f"tp={tp} text-only {q} open loop @ {SYNC_RATE:.0f} req/s",
-                "-" if o is None else f"{o:.2f} ms", "-" if b is None else f"{b:.2f} ms",
-                b / o if o and b else 0.0, None, "bare ROUTER, same rate", limit_ms=limit,
-                ms=None if ours["bad"] or ours["lost"] else o)  # a non-200 or lost reply misses the target
+        if ours and bare:
+            _open_rows(add, tp, f"{SYNC_RATE:.0f} req/s", ours, bare,
+                       {"p50": (bare["p50_ms"] or 0.0) + SYNC_P50_SLACK_MS[tp], "p99": P99_MAX_MS})
     for tp in (1, 2):
         half = sync.get("half", {}).get(f"tp{tp}")
-        if not half:
-            continue
-        ours, bare = half["ours"], half["bare"]
-        for q in ("p50", "p99"):
-            o, b = ours[f"{q}_ms"], bare[f"{q}_ms"]
-            add("sync client", f"tp={tp} text-only {q} open loop @ {half['rate']:.0f} req/s (0.5 x max)",
-                "-" if o is None else f"{o:.2f} ms", "-" if b is None else f"{b:.2f} ms",
-                b / o if o and b else 0.0, None, "bare ROUTER, same rate",
-                limit_ms=HALF_RATE_P50_MS if q == "p50" else None,
-                ms=None if ours["bad"] or ours["lost"] else o)
+        if half:
+            _open_rows(add, tp, f"{half['rate']:.0f} req/s (0.5 x max)", half["ours"], half["bare"],
+                       {"p50": HALF_RATE_P50_MS, "p99": None})
+
+
+def _open_rows(add, tp: int, at: str, ours: dict, bare: dict, limits: dict) -> None:
+    """One open loop's p50 and p99 rows beside the bare ROUTER's at the same rate."""
+    for q in ("p50", "p99"):
+        o, b = ours[f"{q}_ms"], bare[f"{q}_ms"]
+        add("sync client", f"tp={tp} text-only {q} open loop @ {at}",
+            "-" if o is None else f"{o:.2f} ms", "-" if b is None else f"{b:.2f} ms",
+            b / o if o and b else 0.0, None, "bare ROUTER, same rate", limit_ms=limits[q],
+            ms=None if ours["bad"] or ours["lost"] else o)  # a non-200 or lost reply misses the target
 
 
 def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: dict,

@@ -131,16 +131,27 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-@contextlib.contextmanager
-def bare_router(max_seconds: float = 120):
-    """bench/bare_router.py (the throughput ceiling: decodes and answers, nothing more) on a
-    private ipc:// address, yielded; stopped (killed if it will not stop) on the way out."""
-    addr = f"ipc:///tmp/mmsched-test-bare-{uuid.uuid4().hex[:8]}.sock"
+def start_bare_router(addr: str, max_seconds: float = 120) -> subprocess.Popen:
+    """bench/bare_router.py (the throughput ceiling: decodes and answers, nothing more) on
+    ``addr``, once it says it is bound; the caller stops it."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen([sys.executable, os.path.join(root, "bench", "bare_router.py"), addr,
                              "--max-seconds", str(max_seconds)], stdout=subprocess.PIPE, text=True)
+    if proc.stdout.readline().strip() != "ready":
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+        raise AssertionError(f"bench/bare_router.py did not start on {addr}")
+    return proc
+
+
+@contextlib.contextmanager
+def bare_router(max_seconds: float = 120):
+    """``start_bare_router`` on a private ipc:// address, yielded; stopped (killed if it will
+    not stop) on the way out."""
+    addr = f"ipc:///tmp/mmsched-test-bare-{uuid.uuid4().hex[:8]}.sock"
+    proc = start_bare_router(addr, max_seconds)
     try:
-        assert proc.stdout.readline().strip() == "ready"
         yield addr
     finally:
         proc.terminate()

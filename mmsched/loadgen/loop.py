@@ -55,9 +55,11 @@ class Run(Watch):
         if len(self.rec) >= (self.spec.requests or math.inf) or time.perf_counter() >= self.send_until:
             self.stop_sending()
             return False
-        self._paused()  # a new connection seen within a millisecond: what is sent from now is not given up
-        if sess is not None and sess.stored and self._look():
-            sess.stored = False  # no connection: the one made next keeps none of its features
+        if sess is not None and sess.stored:  # a turn that would refer to kept features: look now
+            if self._look():
+                sess.stored = False  # no connection: the one made next keeps none of its features
+        else:
+            self._paused()  # a new connection seen within a millisecond: what is sent from now is not given up
         transport, fault, sizes, ids_k = self.mix.draw()
         rid = self.client.new_rid()
         if fault == "fail":
@@ -119,7 +121,7 @@ class Run(Watch):
             if row in self.given_up:  # its connection was replaced: it stays lost, its slot goes on
                 self.outstanding -= 1
                 self.want.pop(row, None)
-                self._go_on(sess, self._lost_turn)
+                self._go_on(sess, None)
             return  # else the run is over: it stays lost
         res = fut.result()
         self.rec.t_recv[row], self.rec.status[row] = t, res.status
@@ -133,15 +135,18 @@ class Run(Watch):
         if res.status == 503 and res.message.startswith("service unavailable") and self.sending:
             self.stopped_by = self.stopped_by or f"the server is going away ({res.message}): stopped sending"
             self.stop_sending()
-        self._go_on(sess, lambda: self._next_turn(sess, res.status, self.rec.transport[row] != "ref"))
+        self._go_on(sess, res.status, self.rec.transport[row] != "ref")
 
-    def _go_on(self, sess: Session | None, turn) -> None:
-        """After a result (or a given-up request): ``turn()`` for a session's turn, else the
-        closed loop's next request in the slot."""
+    def _go_on(self, sess: Session | None, status: int | None, brought: bool = False) -> None:
+        """After a result (``status``; None: a given-up request): a session's next turn, else
+        the closed loop's next request in the slot."""
         try:
             if sess is not None:
                 sess.busy = False
-                turn()
+                if status is None:
+                    self._lost_turn()
+                else:
+                    self._next_turn(sess, status, brought)
             elif self.spec.concurrency is not None and self.sending:
                 self.send_one()
         except Exception as exc:  # noqa: BLE001 - a send that cannot be made ends the send phase

@@ -66,7 +66,7 @@ class Watch:
         lost, made = self.client.connection_lost(), self.client.connections
         if made > max(self._connections, 1):
             self._replaced()
-        self._connections = max(self._connections, made)
+        self._connections = made  # (the client's count only grows)
         return lost
 
     def _replaced(self) -> None:

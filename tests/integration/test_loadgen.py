@@ -21,7 +21,7 @@ import pytest
 from mmsched import loadgen
 from mmsched.loadgen import LoadSpec
 
-from ..conftest import bare_router
+from ..conftest import bare_router, start_bare_router
 
 
 def _free_port() -> int:
@@ -281,14 +281,6 @@ async def test_a_generator_the_server_drops_for_an_oversized_frame_goes_on(start
     assert s["lost"] <= 100, figures  # those in flight at the drop: their replies went to the old connection
 
 
-def _bare(path: str) -> subprocess.Popen:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen([sys.executable, os.path.join(root, "bench", "bare_router.py"), f"ipc://{path}",
-                             "--max-seconds", "60"], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
-
-
 async def test_a_closed_loop_keeps_its_concurrency_after_its_connection_is_replaced(tmp_path):
     """A server that stops answering, then is replaced at the same address: the requests it
     had read get no reply. The closed loop gives them up once the new connection has been up
@@ -301,7 +293,8 @@ async def test_a_closed_loop_keeps_its_concurrency_after_its_connection_is_repla
     from mmsched.client import Client
 
     first, second = str(tmp_path / "a.sock"), str(tmp_path / "b.sock")
-    old, new = _bare(first), _bare(second)
+    old = start_bare_router(f"ipc://{first}", 60)
+    new = start_bare_router(f"ipc://{second}", 60)
     try:
         spec = LoadSpec(frontend=f"ipc://{first}", concurrency=8, requests=1_000_000, duration=6.0, drain_s=2,
                         items=0, seed=4)
