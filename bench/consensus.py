@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, port: int, batches: list[int], budget: float,
     request_slice(Config().sched_slice_us)  # as a rank does, before gloo starts its threads
 
     group = GlooGroup(rank, world, f"tcp://127.0.0.1:{port}", timeout_s=60)
-    barrier = torch.zeros(1, 1, dtype=torch.int64)
+    barrier = np.zeros(8, dtype=np.uint8)  # one flag's bytes
 
     def agreed(*values: int) -> list[int]:
         """Rank 0's values, known to every rank (keeps the ranks in lockstep)."""

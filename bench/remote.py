@@ -59,6 +59,7 @@ def _batch(size: int, items: int, seed: int):
 
 
 def _worker(rank: int, port: int, cases: list[tuple[int, int, int]], budget: float, out) -> None:
+    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -74,7 +75,7 @@ def _worker(rank: int, port: int, cases: list[tuple[int, int, int]], budget: flo
     topo = Topology(rank, hosts=["a", "b"], host_groups={})
     faults = Faults([], rank)
     buffers = Buffers()
-    barrier = torch.zeros(1, 1, dtype=torch.int64)
+    barrier = np.zeros(8, dtype=np.uint8)  # one flag's bytes
 
     def agreed(value: float) -> float:
         """Rank 1's value (the receiver's), known to both ranks."""

@@ -69,7 +69,7 @@ def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor 
     raw = _bytes(extra)
     payload = np.concatenate([np.asarray(stamp, dtype=np.int64).view(np.uint8),
                               np.asarray(flags, dtype=np.int64).view(np.uint8), raw, _tail(errors)])
-    gathered = group.all_gather(torch.from_numpy(payload)).numpy()  # [world, bytes]: numpy from here
+    gathered = group.all_gather(payload)  # [world, bytes]
     if stamp:
         stamps = _field(gathered, 0, s, np.int64)
         if not (stamps == np.asarray(stamp)).all():

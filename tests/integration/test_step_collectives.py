@@ -40,8 +40,8 @@ class CountingGroup:
     def broadcast(self, payload):
         return self._count("broadcast", payload)
 
-    def all_gather(self, t):
-        return self._count("all_gather", t)
+    def all_gather(self, payload):
+        return self._count("all_gather", payload)
 
     def all_gather_object(self, obj):
         return self._count("all_gather_object", obj)

@@ -107,9 +107,9 @@ class Mirror(SoloGroup):
     def __init__(self):
         self.calls = 0
 
-    def all_gather(self, t):
+    def all_gather(self, payload):
         self.calls += 1
-        return torch.stack([t, t])
+        return np.stack([payload, payload])
 
     def all_gather_object(self, obj):
         self.calls += 1
@@ -175,9 +175,9 @@ def test_a_group_of_one_agrees_without_a_collective_and_gives_the_same_verdict()
     class Counting(SoloGroup):
         calls = 0
 
-        def all_gather(self, t):
+        def all_gather(self, payload):
             self.calls += 1
-            return super().all_gather(t)
+            return super().all_gather(payload)
 
     flags, errors, extra = np.array([0, 1, 2, 1, 1, 1, 1]), {k: f"E: {k}" for k in (1, 3, 4, 5, 6)}, torch.ones(7, 2)
     alone = consensus.agree(Counting(), flags, errors | {6: "E: " + "é" * 300}, extra=extra)
@@ -359,10 +359,10 @@ def test_a_gather_whose_peer_is_at_another_step_or_call_is_a_broken_group():
         """Two ranks, the second one gather behind: its stamp's call is one less."""
         world = 2
 
-        def all_gather(self, t):
-            other = t.clone()
-            other[8:16] = torch.tensor([int(t[8:16].view(torch.int64)) - 1]).view(torch.uint8)
-            return torch.stack([t, other])
+        def all_gather(self, payload):
+            other = payload.copy()
+            other[8:16] = np.array([int(payload[8:16].view(np.int64)[0]) - 1]).view(np.uint8)
+            return np.stack([payload, other])
 
     with pytest.raises(GroupBroken, match=r"out of step.*\[\[3, 2\], \[3, 1\]\]"):
         consensus.agree(Skewed(), np.zeros(2, dtype=np.int64), {}, extra=torch.zeros(2, 1), stamp=(3, 2))
