@@ -51,6 +51,9 @@ class BatchRunner:
         self.transports = transports or Transports(group.rank, group.world, faults)  # this rank's caches
         self.forwarding = forwarding(self.topology, self.transports)
         self.gather = gather  # the engine's EngineContext.gather, when the engine was given it
+        # called on the lane once the step's agreement is in (the leader publishes the batches
+        # queued behind this one then, so its followers start them while it renders this one)
+        self.agreed: Callable[[], None] = lambda: None
         self._results = _render_all if group.rank == 0 else _no_results
         self._next_prune = 0.0
 
@@ -112,7 +115,7 @@ class BatchRunner:
             return "early" if i in early else ("late" if self.is_aborted(reqs[i]) else None)
 
         s = run_engine(self.group, self.engine, self.faults, self.stall_s,
-                       engine_requests(reqs, m.tensors, live), aborted, self.gather)
+                       engine_requests(reqs, m.tensors, live), aborted, self.gather, self.agreed)
         self.counters.failures["engine"] += s.failures
         return decide(gate, s.verdict, s.outputs, m.digests, early, s.late), s.agree_s
 

@@ -24,6 +24,7 @@ from .ring import Ring
 
 class SoloGroup:
     rank, world = 0, 1
+    publishes_ahead = False  # a group of one publishes nothing
 
     def broadcast(self, payload: bytes | None) -> Any:
         return payload
@@ -54,6 +55,8 @@ class SubGroup:
 
 class GlooGroup(SubGroup):
     """A torch.distributed gloo group; collective errors become GroupBroken."""
+
+    publishes_ahead = False  # its broadcast is a collective: the followers' calls must pair with it
 
     def __init__(self, rank: int, world: int, init_method: str, timeout_s: float):
         dist.init_process_group(
@@ -131,6 +134,10 @@ class RingGroup:
             except (OSError, GroupBroken) as exc:
                 problem = f"rank {self.rank} cannot map the ring: {exc}"
         problems = [p for p in gloo.all_gather_object(problem) if p]
+        # the leader may publish batches ahead of the one its followers run: the ring queues them
+        # and a write returns at once; a gloo broadcast to another host would wait for that
+        # rank, which may be inside a collective of the batch before
+        self.publishes_ahead = self._remote is None
         if self.rank == 0 and self.ring:
             self.ring.peers = [_visible(peers[r], me) for r in local]
             self.ring.unlink()

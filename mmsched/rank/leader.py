@@ -27,6 +27,7 @@ from ..transport.unread import release_malformed, release_unrun
 from .admission import Accept, Admission, Reply
 from .frontend import Frontend
 from .lifecycle import Lifecycle, State
+from .publisher import Publisher
 from .status import Status
 
 Outcome = tuple[list[dict], float | None]  # results, consensus seconds
@@ -50,7 +51,9 @@ class Leader:
         self._wake, self._stop = asyncio.Event(), asyncio.Event()
         self._now = asyncio.get_running_loop().create_future()  # set by a second signal: stop now
         # role links, bound once
-        self._publish = self._broadcast if world > 1 else _nothing
+        self.publisher = Publisher(runner.group if world > 1 else None)
+        if self.publisher.can_go_ahead:  # the batches behind a step go out once its agreement is in
+            runner.agreed = self.publisher.ahead
         self._overlap = world > 1  # a group of one runs small batches on the loop itself
         self._stop_followers = self._broadcast_stop if world > 1 else _nothing_async
 
@@ -141,15 +144,12 @@ class Leader:
 
     # ------------------------------------------------------------ 2. run on every rank
     def _lead(self, batch: Batch) -> Outcome:
-        """Publish the batch to the followers, run it here, collect counters when asked."""
-        self._publish(batch)
+        """Publish the batch (unless it went ahead), run it here, collect counters when asked."""
+        self.publisher.through(batch)
         out = self.runner.run(batch)
         if batch.gather_stats:
             self.status.follower_counters = self.runner.exchange_counters()
         return out
-
-    def _broadcast(self, batch: Batch) -> None:
-        self.runner.group.broadcast(batch.encode())
 
     async def _run_solo(self, batch: Batch) -> Outcome | None:
         """A group of one has no collective to wait on: a small batch (text, small features, no
@@ -170,6 +170,7 @@ class Leader:
         """Queued on the lane at once (not when the caller next yields); awaited, the outcome
         (None when a second signal cut it short). A step never awaited (the loop ended with
         it still ahead) keeps its error to itself."""
+        self.publisher.started(batch)
         step = self.lane.start(self._lead, batch)
         step.add_done_callback(lambda f: f.cancelled() or f.exception())
         return self._watched(step)
@@ -289,10 +290,6 @@ class Leader:
 
     def __repr__(self) -> str:
         return f"<Leader {self.life.state.value} {self.core!r} {self.lane!r}>"
-
-
-def _nothing(*_args) -> None:
-    """A role link with nothing to do in a group of one."""
 
 
 async def _nothing_async() -> None:

@@ -113,11 +113,14 @@ class FlaggedGather:
         self.verdict: consensus.Verdict | None = None
         self.steps = self.calls = 0  # steps armed so far; gathers in this step
         self.seconds = 0.0
+        self.agreed: Callable[[], None] | None = None  # called once, after the step's first gather
+        self.agreed_error: BaseException | None = None  # what it raised: run_engine raises it after the step
 
-    def arm(self, requests: list[EngineRequest], aborted: Callable[[int], str | None]) -> None:
+    def arm(self, requests: list[EngineRequest], aborted: Callable[[int], str | None],
+            agreed: Callable[[], None] | None = None) -> None:
         self.steps += 1  # the same count on every rank: every rank runs the same steps
         self.requests, self.aborted, self.failed, self.thread = requests, aborted, {}, threading.get_ident()
-        self.verdict, self.calls = None, 0
+        self.verdict, self.calls, self.agreed, self.agreed_error = None, 0, agreed, None
 
     def disarm(self) -> consensus.Verdict | None:
         self.thread = None
@@ -139,6 +142,12 @@ class FlaggedGather:
         t0 = time.perf_counter()
         self.verdict = consensus.agree(self.group, flags, errors, extra=local, stamp=(self.steps, self.calls))
         self.seconds = time.perf_counter() - t0  # the last call's: the agreement's time, for /metrics
+        if self.agreed is not None:
+            agreed, self.agreed = self.agreed, None
+            try:
+                agreed()
+            except BaseException as exc:  # noqa: BLE001 - an engine catching it must not hide it
+                self.agreed_error = exc
         return self.verdict.extra.reshape(self.group.world, *local.shape)
 
 
@@ -165,7 +174,8 @@ class Stepped:
 
 
 def run_engine(group, engine: Engine, faults: Faults, stall_s: float, requests: list[EngineRequest],
-               aborted: Callable[[int], str | None], gather: FlaggedGather | None = None) -> Stepped:
+               aborted: Callable[[int], str | None], gather: FlaggedGather | None = None,
+               agreed: Callable[[], None] = lambda: None) -> Stepped:
     """Step, drills, late aborts, agreement.
 
     ``aborted(j)`` is the leader's word on request j, asked right before the agreement so an
@@ -173,13 +183,16 @@ def run_engine(group, engine: Engine, faults: Faults, stall_s: float, requests: 
     materialization consensus; wins over a failure), "late", or None. Where the engine
     gathered through ``gather``, its last call carried the agreement; a failure that came
     after it is a 500 of the leader alone (a follower's outputs are never sent), and the
-    verdict every rank keeps sessions by stays the agreed one."""
+    verdict every rank keeps sessions by stays the agreed one. ``agreed()`` runs once the
+    agreement is in (inside the step's first gather, or after the runner's own agreement)."""
     if gather is not None:
-        gather.arm(requests, aborted)
+        gather.arm(requests, aborted, agreed)
     try:
         outs, raised = call(engine, requests)
     finally:
         verdict = gather.disarm() if gather is not None else None
+    if gather is not None and gather.agreed_error is not None:
+        raise gather.agreed_error  # publishing the next batches failed: the group is broken
     failures = {j: o for j, o in enumerate(outs) if isinstance(o, Exception)}
     if verdict is not None and raised is not None:  # it may have left its peers inside a later gather
         raise GroupBroken(f"the engine's step raised after EngineContext.gather on rank {group.rank} "
@@ -194,5 +207,6 @@ def run_engine(group, engine: Engine, faults: Faults, stall_s: float, requests: 
     flags, errors = local_flags(requests, failures, faults, aborted)  # aborts read after the stall
     t0 = time.perf_counter()
     verdict = consensus.agree(group, flags, errors)
+    agreed()
     return Stepped(verdict, [o if verdict.ok(j) else None for j, o in enumerate(outs)],
                    flags.tolist().count(consensus.FAILED), time.perf_counter() - t0, {})

@@ -301,6 +301,52 @@ def test_a_failure_after_the_engines_gather_is_a_500_of_rank_0_and_the_session_s
     assert render("a", first, 2)["message"] == "Engine step failed (rank 0: RuntimeError: late)"
 
 
+class Twice(Gathering):
+    """A step with two gathers (a model gathering per layer or per token)."""
+
+    def step(self, reqs):
+        self.gather(torch.zeros(len(reqs), 1, dtype=torch.float64))
+        return super().step(reqs)
+
+
+def test_the_step_says_once_when_its_agreement_is_in_and_not_before():
+    from mmsched.step.engine_step import FlaggedGather
+
+    events = []
+    group = Mirror()
+    real = group.all_gather
+    group.all_gather = lambda payload: (events.append("gather"), real(payload))[1]
+    gather = FlaggedGather(group, NO_FAULTS, 0.0)
+    s = run_engine(group, Twice(gather), NO_FAULTS, 0.0, requests("a", "b"), lambda j: None, gather,
+                   agreed=lambda: events.append("agreed"))
+    assert events == ["gather", "agreed", "gather"] and s.verdict.ok(0) and s.verdict.ok(1)
+    events.clear()  # an engine that does not gather: after the runner's own agreement
+    run_engine(group, Engine(), NO_FAULTS, 0.0, requests("a"), lambda j: None, agreed=lambda: events.append("agreed"))
+    assert events == ["gather", "agreed"]
+
+
+def test_a_failure_to_publish_after_the_agreement_breaks_the_step_even_if_the_engine_swallows_it():
+    from mmsched.errors import GroupBroken
+    from mmsched.step.engine_step import FlaggedGather
+
+    class Swallowing(Gathering):
+        def step(self, reqs):
+            try:
+                return super().step(reqs)
+            except Exception:  # an engine that catches everything its step raises
+                return [{"o": 0.0} for _ in reqs]
+
+    def publish():
+        raise GroupBroken("ring: follower 1 is gone")
+
+    group = Mirror()
+    gather = FlaggedGather(group, NO_FAULTS, 0.0)
+    with pytest.raises(GroupBroken, match="follower 1 is gone"):
+        run_engine(group, Swallowing(gather), NO_FAULTS, 0.0, requests("a"), lambda j: None, gather, publish)
+    s = run_engine(group, Gathering(gather), NO_FAULTS, 0.0, requests("a"), lambda j: None, gather)
+    assert s.outputs == [{"o": 1.0}]  # the next step starts clean
+
+
 def test_a_step_that_does_not_gather_is_agreed_after_it_and_the_gather_refuses_misuse():
     import torch
 

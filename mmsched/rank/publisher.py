@@ -1,0 +1,45 @@
+"""The leader's batches to its followers: each once, in lane order, and ahead of time where
+the group allows it."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from ..protocol.batch import Batch
+
+
+class Publisher:
+    """``started`` (loop thread) records a batch queued on the lane; ``through`` (lane thread,
+    when the batch runs) publishes what is still unpublished up to it; ``ahead`` (lane thread,
+    once a step's agreement is in) publishes every batch started so far.
+
+    Why ahead: a follower waits for the next batch while the leader renders and answers the
+    last one. Where publishing never waits for a follower (a ring on the leader's host: it
+    queues batches, see ``RingGroup.publishes_ahead``), the next batch goes out as soon as the
+    last one's collectives are done, and the follower reads it when it finishes the last one.
+    A publish that waits (a gloo broadcast to another host) would pair with a collective of
+    the batch before, so there only ``through`` publishes."""
+
+    def __init__(self, group):
+        """``group``: the rank group (its ``broadcast`` and ``publishes_ahead``); None for a
+        group of one, which publishes nothing."""
+        self.group, self.can_go_ahead = group, bool(group is not None and group.publishes_ahead)
+        self._waiting: deque[Batch] = deque()  # started on the lane, not yet published; lane order
+
+    def _publish(self, batch: Batch) -> None:
+        if self.group is not None:
+            self.group.broadcast(batch.encode())
+
+    def started(self, batch: Batch) -> None:
+        self._waiting.append(batch)
+
+    def through(self, batch: Batch) -> None:
+        """Publish, in order, what waits up to and including ``batch`` (nothing if it went
+        ahead). Batches are numbered in the order they are started; the loop thread may append
+        meanwhile, so the deque is only ever read at its head, never iterated."""
+        while self._waiting and self._waiting[0].seq <= batch.seq:
+            self._publish(self._waiting.popleft())
+
+    def ahead(self) -> None:
+        while self._waiting:
+            self._publish(self._waiting.popleft())

@@ -1,0 +1,110 @@
+"""The leader publishes the batches queued behind a step once that step's agreement is in,
+so its follower starts the next batch while the leader still renders the last: two real
+rank processes, a gloo group with the same-host ring, ``BatchRunner`` and the reference
+engine, the leader's ``Publisher`` as the leader uses it."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import time
+
+RENDER_S = 0.5  # the leader's rendering of the first batch, slowed: the follower must not wait for it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, ahead: bool, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    import msgpack
+
+    from mmsched.batch import BatchRunner
+    from mmsched.config import Config
+    from mmsched.faults import NO_FAULTS
+    from mmsched.group import GlooGroup, RingGroup
+    from mmsched.protocol import decode
+    from mmsched.protocol.batch import Batch
+    from mmsched.rank.publisher import Publisher
+    from mmsched.server import start_engine
+    from mmsched.sessions import SessionStore
+
+    cfg = Config(shm_prefix="mmtest_")
+    group = RingGroup(GlooGroup(rank, 2, "env://", 60.0), ["h", "h"], cfg.shm_prefix, 60.0)
+    engine, gather = start_engine(cfg, group)
+    runner = BatchRunner(group, engine, NO_FAULTS, unlinks=rank == 0, sessions=SessionStore(1 << 20, 16, 16),
+                         gather=gather)
+    report = {"can_go_ahead": group.publishes_ahead}
+    if rank == 0:
+        published = []
+
+        class Recording:  # the group, each batch it publishes recorded
+            publishes_ahead = group.publishes_ahead
+
+            def broadcast(self, payload):
+                published.append(Batch.decode(payload).seq)
+                return group.broadcast(payload)
+
+        publisher = Publisher(Recording())
+        if ahead:
+            runner.agreed = publisher.ahead
+        render = runner._results
+
+        def slow_render(reqs, outcomes, world):
+            if reqs[0].rid == "first":
+                time.sleep(RENDER_S)
+            return render(reqs, outcomes, world)
+
+        runner._results = slow_render
+        ids = b"".join(i.to_bytes(4, "little") for i in range(16))
+        req = lambda rid: decode([msgpack.packb({"v": 1, "type": "generate", "rid": rid, "input_ids": ids,  # noqa: E731
+                                                 "max_new_tokens": 3}, use_bin_type=True)], cfg.limits)
+        first, second = Batch(1, [req("first")]), Batch(2, [req("second")])
+        publisher.started(first)
+        publisher.started(second)  # both on the lane, as the leader's loop queues them
+        results = []
+        for batch in (first, second):
+            publisher.through(batch)
+            results += runner.run(batch)[0]
+            report[f"done_{batch.seq}"] = time.monotonic()
+        group.broadcast(Batch(3, [], stop=True).encode())
+        report.update(published=published, results=[(r["status"], r["output"]) for r in results])
+    else:
+        read = []
+        while not (batch := Batch.decode(group.broadcast(None))).stop:
+            read.append((batch.seq, time.monotonic()))
+            runner.run(batch)
+        report["read"] = read
+    out.put((rank, report))
+    group.close()
+
+
+def _run(ahead: bool) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, ahead, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+def test_the_follower_starts_the_next_batch_while_the_leader_renders_the_last():
+    leader, follower = (early := _run(ahead=True))[0], early[1]
+    assert leader["can_go_ahead"] and leader["published"] == [1, 2], "each batch published once, in order"
+    assert [seq for seq, _ in follower["read"]] == [1, 2]
+    read_second = follower["read"][1][1]
+    assert read_second < leader["done_1"] - RENDER_S / 2, "the follower had the next batch before the leader rendered"
+    late = _run(ahead=False)  # published when the leader runs it: the follower waits for the render
+    assert late[1]["read"][1][1] > late[0]["done_1"] - 0.05
+    assert leader["results"] == late[0]["results"] and [s for s, _ in leader["results"]] == [200, 200]
