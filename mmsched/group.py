@@ -134,9 +134,9 @@ class RingGroup:
             except (OSError, GroupBroken) as exc:
                 problem = f"rank {self.rank} cannot map the ring: {exc}"
         problems = [p for p in gloo.all_gather_object(problem) if p]
-        # the leader may publish batches ahead of the one its followers run: the ring queues them
-        # and a write returns at once; a gloo broadcast to another host would wait for that
-        # rank, which may be inside a collective of the batch before
+        # the leader may publish batches ahead of the one its followers run, where the ring has
+        # room for them (``broadcast_if_room``); a gloo broadcast to another host would wait for
+        # that rank, which may be inside a collective of the batch before
         self.publishes_ahead = self._remote is None
         if self.rank == 0 and self.ring:
             self.ring.peers = [_visible(peers[r], me) for r in local]
@@ -153,6 +153,15 @@ class RingGroup:
                 broadcast_bytes(payload, self._remote)
             return payload
         return self.ring.read() if self.ring is not None else broadcast_bytes(None, self._remote)
+
+    def broadcast_if_room(self, payload: bytes) -> bool:
+        """The leader's ``broadcast``, only if it cannot wait: the ring has room for all of it
+        now. A follower still running the batch before may be waiting for this rank inside a
+        collective: a write that waited for that follower to read would never end."""
+        if self._remote is not None or (self.ring is not None and not self.ring.has_room(len(payload))):
+            return False
+        self.broadcast(payload)
+        return True
 
     def all_gather(self, payload: np.ndarray) -> np.ndarray:
         return self.gloo.all_gather(payload)

@@ -159,6 +159,12 @@ class Ring:
 
     # ------------------------------------------------------------ leader
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` fits in the slots every reader has read: ``write``
+        would not wait (only this writer fills slots; readers only free them)."""
+        behind = max((self._count - self._words[(1 + r) * _LINE // 4]) & MASK for r in range(self.readers))
+        return SLOTS - behind >= max(1, -(-nbytes // PAYLOAD))
+
     def write(self, msg) -> None:
         """Publish one message (bytes-like); blocks only while a reader is ``SLOTS`` chunks behind."""
         view = memoryview(msg).cast("B")

@@ -14,11 +14,12 @@ class Publisher:
     once a step's agreement is in) publishes every batch started so far.
 
     Why ahead: a follower waits for the next batch while the leader renders and answers the
-    last one. Where publishing never waits for a follower (a ring on the leader's host: it
-    queues batches, see ``RingGroup.publishes_ahead``), the next batch goes out as soon as the
-    last one's collectives are done, and the follower reads it when it finishes the last one.
-    A publish that waits (a gloo broadcast to another host) would pair with a collective of
-    the batch before, so there only ``through`` publishes."""
+    last one. Where the group can publish without waiting for a follower (a ring on the
+    leader's host that has room: ``RingGroup.broadcast_if_room``), the next batch goes out as
+    soon as the last one's agreement is in, and the follower reads it when it finishes the
+    last one. A publish that waits (a full ring; a gloo broadcast to another host) could wait
+    for a follower that is itself waiting for this rank in a collective of the batch before
+    (the counters' exchange, the engine's next gather): there only ``through`` publishes."""
 
     def __init__(self, group):
         """``group``: the rank group (its ``broadcast`` and ``publishes_ahead``); None for a
@@ -41,5 +42,8 @@ class Publisher:
             self._publish(self._waiting.popleft())
 
     def ahead(self) -> None:
-        while self._waiting:
-            self._publish(self._waiting.popleft())
+        """Every batch started so far, in order, while the group can publish it without waiting
+        (a full ring would wait for a follower that may be waiting for this rank); the rest
+        goes when it runs (``through``)."""
+        while self._waiting and self.group.broadcast_if_room(self._waiting[0].encode()):
+            self._waiting.popleft()

@@ -11,6 +11,7 @@ import socket
 import time
 
 RENDER_S = 0.5  # the leader's rendering of the first batch, slowed: the follower must not wait for it
+BIG = 1 << 20  # an inline feature bigger than the whole ring (8 slots of 64 KiB)
 
 
 def _free_port() -> int:
@@ -19,7 +20,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, port: int, ahead: bool, out) -> None:
+def _rank(rank: int, port: int, ahead: bool, out, big: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     import msgpack
 
@@ -27,14 +28,15 @@ def _rank(rank: int, port: int, ahead: bool, out) -> None:
     from mmsched.config import Config
     from mmsched.faults import NO_FAULTS
     from mmsched.group import GlooGroup, RingGroup
-    from mmsched.protocol import decode
+    from mmsched.protocol import Item, decode
     from mmsched.protocol.batch import Batch
     from mmsched.rank.publisher import Publisher
     from mmsched.server import start_engine
     from mmsched.sessions import SessionStore
 
     cfg = Config(shm_prefix="mmtest_")
-    group = RingGroup(GlooGroup(rank, 2, "env://", 60.0), ["h", "h"], cfg.shm_prefix, 60.0)
+    timeout_s = 8.0 if big else 60.0
+    group = RingGroup(GlooGroup(rank, 2, "env://", timeout_s), ["h", "h"], cfg.shm_prefix, timeout_s)
     engine, gather = start_engine(cfg, group)
     runner = BatchRunner(group, engine, NO_FAULTS, unlinks=rank == 0, sessions=SessionStore(1 << 20, 16, 16),
                          gather=gather)
@@ -48,6 +50,12 @@ def _rank(rank: int, port: int, ahead: bool, out) -> None:
             def broadcast(self, payload):
                 published.append(Batch.decode(payload).seq)
                 return group.broadcast(payload)
+
+            def broadcast_if_room(self, payload):
+                went = group.broadcast_if_room(payload)
+                if went:
+                    published.append(Batch.decode(payload).seq)
+                return went
 
         publisher = Publisher(Recording())
         if ahead:
@@ -64,12 +72,18 @@ def _rank(rank: int, port: int, ahead: bool, out) -> None:
         req = lambda rid: decode([msgpack.packb({"v": 1, "type": "generate", "rid": rid, "input_ids": ids,  # noqa: E731
                                                  "max_new_tokens": 3}, use_bin_type=True)], cfg.limits)
         first, second = Batch(1, [req("first")]), Batch(2, [req("second")])
+        if big:  # the first batch ends in a counters' exchange; the second cannot fit in the ring
+            first.gather_stats = True
+            second.requests[0].items = [Item(index=0, modality="image", transport="inline", dtype="uint8",
+                                             shape=(BIG,), nbytes=BIG, payload=bytes(BIG))]
         publisher.started(first)
         publisher.started(second)  # both on the lane, as the leader's loop queues them
         results = []
         for batch in (first, second):
             publisher.through(batch)
             results += runner.run(batch)[0]
+            if batch.gather_stats:
+                runner.exchange_counters()
             report[f"done_{batch.seq}"] = time.monotonic()
         group.broadcast(Batch(3, [], stop=True).encode())
         report.update(published=published, results=[(r["status"], r["output"]) for r in results])
@@ -78,16 +92,18 @@ def _rank(rank: int, port: int, ahead: bool, out) -> None:
         while not (batch := Batch.decode(group.broadcast(None))).stop:
             read.append((batch.seq, time.monotonic()))
             runner.run(batch)
+            if batch.gather_stats:
+                runner.exchange_counters()
         report["read"] = read
     out.put((rank, report))
     group.close()
 
 
-def _run(ahead: bool) -> dict:
+def _run(ahead: bool, big: bool = False) -> dict:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, ahead, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, ahead, out, big)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -108,3 +124,12 @@ def test_the_follower_starts_the_next_batch_while_the_leader_renders_the_last():
     late = _run(ahead=False)  # published when the leader runs it: the follower waits for the render
     assert late[1]["read"][1][1] > late[0]["done_1"] - 0.05
     assert leader["results"] == late[0]["results"] and [s for s, _ in leader["results"]] == [200, 200]
+
+
+def test_a_batch_the_ring_has_no_room_for_waits_for_its_turn_instead_of_hanging_the_group():
+    """Found by an outside attack (aborts and big features under load broke the group): the
+    follower, done with the first batch, waits for the leader in the counters' exchange; a
+    publish ahead that waited for ring space (the follower reading) never ended."""
+    leader, follower = (got := _run(ahead=True, big=True))[0], got[1]
+    assert [seq for seq, _ in follower["read"]] == [1, 2] and leader["published"] == [1, 2]
+    assert [s for s, _ in leader["results"]] == [200, 200]

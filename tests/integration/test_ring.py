@@ -158,6 +158,31 @@ def test_a_live_leaders_ring_is_locked_against_the_sweep():
     assert not os.path.exists(f"/dev/shm/{name}")
 
 
+def test_the_leader_knows_when_a_write_would_wait_for_a_reader():
+    """``has_room`` is what publishing ahead relies on: a write it allows never waits."""
+    name = _name()
+    w = Ring.create(name, readers=2, timeout_s=5)
+    try:
+        fast, slow = Ring.attach(name, 2, 0, timeout_s=5), Ring.attach(name, 2, 1, timeout_s=5)
+        two_chunks = ringmod.PAYLOAD + 1
+        assert w.has_room(ringmod.SLOTS * ringmod.PAYLOAD) and not w.has_room(ringmod.SLOTS * ringmod.PAYLOAD + 1)
+        for _ in range(ringmod.SLOTS - 1):
+            w.write(b"m")
+        assert w.has_room(1) and not w.has_room(two_chunks)
+        for _ in range(ringmod.SLOTS - 1):
+            assert fast.read() == b"m"
+        assert not w.has_room(two_chunks), "the slowest reader decides"
+        assert slow.read() == b"m"
+        assert w.has_room(two_chunks)
+        t0 = time.monotonic()
+        w.write(b"y" * two_chunks)  # what it allowed does not wait (the readers read nothing meanwhile)
+        assert time.monotonic() - t0 < 1.0 and not w.has_room(1)
+        fast.close()
+        slow.close()
+    finally:
+        w.close()
+
+
 def _stopped(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as fh:
         return fh.read().rsplit(")", 1)[1].split()[0] == "T"

@@ -8,11 +8,18 @@ from mmsched.rank.publisher import Publisher
 
 
 class Group:
-    def __init__(self, ahead: bool):
-        self.publishes_ahead, self.sent = ahead, []
+    def __init__(self, ahead: bool, room: int = 99):
+        self.publishes_ahead, self.sent, self.room = ahead, [], room
 
     def broadcast(self, payload: bytes):
         self.sent.append(Batch.decode(payload).seq)
+
+    def broadcast_if_room(self, payload: bytes) -> bool:
+        if self.room <= 0:
+            return False
+        self.room -= 1
+        self.broadcast(payload)
+        return True
 
 
 def test_batches_go_out_once_in_lane_order_ahead_or_not():
@@ -40,6 +47,21 @@ def test_a_batch_that_runs_publishes_the_unpublished_ones_before_it_first():
         p.started(Batch(seq))
     p.through(Batch(5))
     assert group.sent == [4, 5]
+
+
+def test_what_does_not_fit_now_waits_for_its_turn_in_order():
+    group = Group(ahead=True, room=1)
+    p = Publisher(group)
+    batches = [Batch(seq) for seq in (1, 2, 3)]
+    for b in batches:
+        p.started(b)
+    p.through(batches[0])  # a batch that runs may wait for room: it is published whatever the room
+    p.ahead()  # room for one more: 2 goes ahead, 3 does not (and nothing after it would)
+    assert group.sent == [1, 2]
+    p.through(batches[1])
+    assert group.sent == [1, 2]
+    p.through(batches[2])
+    assert group.sent == [1, 2, 3]
 
 
 def test_groups_that_cannot_go_ahead_and_a_group_of_one():
