@@ -6,7 +6,9 @@ For each size, GB/s (median time per operation) of:
 
 - ``copy``:   ``copy_`` of a tensor already in this process into a reused buffer (the ceiling);
 - ``fresh``:  a segment made by a client just before (not timed), then opened,
-  materialized and released with unlink, as the leader does for a non-pooled item;
+  materialized and released with unlink, as the leader does for a non-pooled item (the
+  last close, which frees the pages, on the rank's closer thread, as in the server: what
+  the lane pays; it overlaps the next fresh read, not the other approaches);
 - ``pooled``: a slice of a client's ``ShmPool`` (read with ``pread``);
 - ``memfd``: a slice of a client's sealed ``MemfdPool`` (a numpy copy out of the mapping,
   safe because the seals forbid shrinking: the ``memfd`` transport, an extension);
@@ -130,6 +132,7 @@ def measure(nbytes: int, budget: float = 0.4, rounds: int = ROUNDS) -> dict:
         for _ in range(rounds):
             for name, (op, setup) in approaches.items():
                 times[name].append(_time(op, budget / rounds, setup, max_reps=400 if setup else 2000))
+                transports.closer.flush()  # the fresh segments' pages, freed on the closer's thread, by now
         reused = transports.buffers.reused
     row = {"bytes": nbytes, "rounds": rounds, "buffers_reused": reused}
     for name, ts in times.items():

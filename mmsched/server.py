@@ -79,6 +79,7 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         # the process group under it (gloo then calls std::terminate: SIGABRT, a core dump)
     _ignore_late_signals()
     lane.close()
+    runner.transports.closer.flush()  # big segments' descriptors handed off: closed before the exit
     group.close()
     if world > 1:  # a launched rank: leave now, not through the interpreter's teardown, which
         # destroys the engine's gloo group with its threads still joinable (std::terminate at

@@ -43,7 +43,7 @@ class Leader:
         self.cfg, self.runner, self.lane, self.world = cfg, runner, lane, world
         self.life = Lifecycle(cfg.shutdown_timeout)
         self.core = Admission(cfg, runner.sessions, gather_stats=world > 1, now=time.monotonic())
-        self.holds = Holds()  # the admission locks: one descriptor per segment named
+        self.holds = Holds(runner.transports.closer)  # the admission locks: one descriptor per segment named
         runner.is_aborted, runner.segment_owner = self.core.is_aborted, self.holds.owner
         self.frontend = Frontend(cfg)
         self.status = Status(self.core, self.life, lane, self.frontend.lost, cfg.collective_timeout,

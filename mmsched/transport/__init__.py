@@ -15,6 +15,7 @@ from ..faults import NO_FAULTS, Faults
 from ..protocol import Item
 from .base import OpenedFeature, typed
 from .buffers import Buffers
+from .closer import Closer
 from .cuda_ipc import Attachments, CudaIpcFeature, acknowledge
 from .forwarded import ForwardedFeature
 from .inline import InlineFeature
@@ -37,6 +38,7 @@ class Transports:
         self.pools = PoolCache(pool_limit)
         self.memfds = MemfdCache(pool_limit)
         self.buffers = Buffers()  # big features' destinations, reused once nobody holds them
+        self.closer = Closer()  # big segments' last descriptors, closed off the lane and the loop
         self.attached = Attachments(attach_limit)
 
     def open(self, item: Item, rid: str, lookup: Callable[[str], torch.Tensor] | None = None) -> OpenedFeature:
@@ -47,7 +49,7 @@ class Transports:
         if item.transport == "shm":
             if item.pooled:
                 return PooledFeature(item, rid, self.faults, self.pools, self.buffers)
-            return ShmFeature(item, rid, self.faults, self.buffers)
+            return ShmFeature(item, rid, self.faults, self.buffers, self.closer)
         if item.transport == "inline":
             return InlineFeature(item, rid, self.faults)
         if item.transport == "session":
@@ -70,9 +72,11 @@ class Transports:
         return self.pools.prune() + self.memfds.prune() + self.attached.prune()
 
     def clear(self) -> None:
-        """Close every idle handle (the rest on their last release): for whoever is done with them (tests)."""
+        """Close every idle handle (the rest on their last release): for whoever is done with them
+        (shutdown, tests); descriptors handed to the closer are closed before it returns."""
         for cache in (self.pools, self.memfds, self.attached.pools, self.attached.boards, self.buffers):
             cache.clear()
+        self.closer.flush()
 
     def __repr__(self) -> str:
         return f"<Transports rank={self.rank}/{self.world} {self.pools!r} {self.attached.pools!r}>"

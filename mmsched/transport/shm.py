@@ -27,21 +27,23 @@ from ..protocol import Item
 from ..segments import SegmentTooSmall, read_into, shm_path
 from .base import OpenedFeature, typed
 from .buffers import NO_REUSE, Buffers
+from .closer import NOW, Closer
 
 
 class ShmFeature(OpenedFeature):
     """A feature in a segment: opened and locked at construction, errors kept as data."""
 
-    __slots__ = ("unlinked", "_fd", "_released", "_buffers")
+    __slots__ = ("unlinked", "_fd", "_size", "_released", "_buffers", "_closer")
 
-    def __init__(self, item: Item, rid: str, faults: Faults, buffers: Buffers = NO_REUSE):
-        self._fd, self._released, self.unlinked, self._buffers = -1, False, False, buffers
+    def __init__(self, item: Item, rid: str, faults: Faults, buffers: Buffers = NO_REUSE, closer: Closer = NOW):
+        self._fd, self._size, self._released, self.unlinked = -1, 0, False, False
+        self._buffers, self._closer = buffers, closer
         super().__init__(item, rid, faults)
 
     def _open(self) -> None:
         item = self.item
-        self._fd = open_segment(item.shm_name)
-        size = os.fstat(self._fd).st_size
+        self._fd, size = open_segment(item.shm_name)
+        self._size = size
         need = item.offset + item.nbytes
         if need > size:
             raise SegmentTooSmall(f"segment {item.shm_name} holds {size} bytes; "
@@ -53,7 +55,9 @@ class ShmFeature(OpenedFeature):
         return typed(raw, self.item)
 
     def release(self, unlink: bool) -> bool:
-        """Close (and, for the leader, unlink); False if anything failed (logged)."""
+        """Unlink (the leader), then close; False if anything failed (logged). The name goes
+        first, while our descriptor still holds the pages: the last close frees them, and a
+        big segment's is left to the rank's ``Closer`` thread (~3.5 ms for 16 MiB here)."""
         if self._released:
             return True
         self._released = True
@@ -63,17 +67,13 @@ class ShmFeature(OpenedFeature):
         except InjectedFault as exc:
             event("release_failed", logging.WARNING, rid=self.rid, shm=name, error=describe(exc))
             ok = False
-        if self._fd >= 0:
-            try:
-                os.close(self._fd)  # also drops our flock
-            except OSError as exc:
-                event("release_failed", logging.WARNING, rid=self.rid, shm=name, error=describe(exc))
-                ok = False
-            self._fd = -1
         if unlink:
             missing_ok = isinstance(self.error, FileNotFoundError)
             self.unlinked = unlink_segment(name, self.rid, quiet_if_missing=missing_ok)
             ok = (self.unlinked or missing_ok) and ok
+        if self._fd >= 0:
+            self._closer.close(self._fd, self._size)  # also drops our flock
+            self._fd = -1
         return ok
 
     def __repr__(self) -> str:
@@ -81,12 +81,14 @@ class ShmFeature(OpenedFeature):
         return f"<ShmFeature {self.item.shm_name} {self.item.nbytes}B {state}>"
 
 
-def open_segment(name: str) -> int:
+def open_segment(name: str) -> tuple[int, int]:
     """Open a segment read-only and share-lock it, never blocking: a FIFO or a segment another
-    process holds exclusively is an error for this request, not a stalled rank."""
+    process holds exclusively is an error for this request, not a stalled rank. The
+    descriptor and the segment's size."""
     fd = os.open(shm_path(name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise FeatureError(f"{name} is not a regular shared-memory segment")
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -95,7 +97,7 @@ def open_segment(name: str) -> int:
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st.st_size
 
 
 def unlink_segment(name: str, rid: str | None = None, quiet_if_missing: bool = False) -> bool:
@@ -128,8 +130,9 @@ class Holds:
     takes too: a request admitted meanwhile either holds the segment first (and keeps it)
     or finds it gone (a 500: it named a segment mmsched had taken)."""
 
-    def __init__(self) -> None:
-        self._held: dict[str, list[int]] = {}  # name -> [fd, how many holders]
+    def __init__(self, closer: Closer = NOW) -> None:
+        self._closer = closer  # the last holder's descriptor may free a big segment's pages
+        self._held: dict[str, list[int]] = {}  # name -> [fd, how many holders, its size]
         self._owed: set[str] = set()  # released by a batch while another request held them
         self._gone: set[str] = set()  # unlinked by a batch whose requests still hold them
         self._lock = threading.Lock()  # the loop holds and drops, the lane releases
@@ -142,7 +145,8 @@ class Holds:
                 entry = self._held.get(name)
                 if entry is None:
                     try:
-                        entry = self._held[name] = [open_segment(name), 0]
+                        fd, size = open_segment(name)
+                        entry = self._held[name] = [fd, 0, size]
                     except (OSError, FeatureError):
                         continue  # missing, odd or locked: the request will fail to open it, as it should
                 elif name in self._gone:
@@ -161,13 +165,10 @@ class Holds:
                 if entry[1] == 0:
                     del self._held[name]
                     self._gone.discard(name)
-                    try:
-                        os.close(entry[0])
-                    except OSError:
-                        pass
-                    if name in self._owed:
+                    if name in self._owed:  # unlinked first: our descriptor's close then frees the pages
                         self._owed.discard(name)
                         unlinked += unlink_segment(name, rid, quiet_if_missing=True)
+                    self._closer.close(entry[0], entry[2])
         return unlinked
 
     def owner(self, batch: list) -> Owner:
