@@ -6,7 +6,8 @@ Two processes form a real gloo group on 127.0.0.1 (one torch thread each). Rank 
 marked remote (``Topology(rank, hosts=["a", "b"], host_groups={})``), so for every
 batch the leader does what ``BatchRunner`` step 2b does: ``ship`` sends the batch's
 host-bound items (``--items`` of them, together ``size`` bytes) in its framing (small items
-copied behind a status prefix, big ones as they are); rank 1 ``receive``s them into one
+behind a status prefix in one message, where the leader's read put them, big ones as they
+are); rank 1 ``receive``s them into one
 buffer from a ``Buffers`` pool (as a rank's ``Transports`` does) and hands its forwarded
 features their bytes, which it materializes. Two extra rows (``--no-extra`` drops them):
 1 MiB in 4 items (all copied into one message), and the same with one item the leader
@@ -88,11 +89,15 @@ def _worker(rank: int, port: int, cases: list[tuple[int, int, int]], budget: flo
         tensors, meta = _batch(size, items, seed=size)
         sizes = [it.nbytes for it in meta]
         bad = set(range(1, 1 + failed))  # the failed items sit between good ones
-        payloads = [FAILED if k in bad else t for k, t in enumerate(tensors)]
+        # the leader reads small items straight into the batch's shipment (forward.Shipper.open):
+        # here they are put there once; the read is the leader's own, in neither column
+        shipment = remote.Shipment(sizes, buffers)
+        payloads = [FAILED if k in bad else t if shipment.slot(k) is None else shipment.slot(k).copy_(t)
+                    for k, t in enumerate(tensors)]
 
         def forward():
             if rank == 0:
-                remote.ship(topo, sizes, payloads, buffers)
+                remote.ship(topo, sizes, payloads, buffers, shipment)
                 return None
             opened = [ForwardedFeature(it, "bench", faults) for it in meta]
             for f, got in zip(opened, remote.receive(topo, sizes, buffers)):

@@ -88,8 +88,8 @@ class BatchRunner:
             event("feature_failed", logging.DEBUG, rid=reqs[i].rid, error=msg)
         return self._results(reqs, outcomes, self.group.world), seconds if seconds is not None else engine_s
 
-    def _open(self, item, req: Request):
-        return self.transports.open(item, req.rid, lambda ref: self.sessions.lookup(req.session_id, ref))
+    def _open(self, item, req: Request, into=None):
+        return self.transports.open(item, req.rid, lambda ref: self.sessions.lookup(req.session_id, ref), into)
 
     def _agree(self, reqs: list[Request], m: Materialized) -> tuple[Gate, float | None]:
         """The materialization consensus, skipped for a batch without feature items: nothing

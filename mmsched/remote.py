@@ -154,19 +154,36 @@ def layout(sizes: list[int]) -> Layout:
     return Layout(sizes, offsets, slots)
 
 
-def frame(sizes: list[int], payloads: list, buffers=NO_REUSE) -> tuple[list[torch.Tensor], bytes]:
+class Shipment:
+    """The leader's message 0 for one batch, taken before the batch is read, so that its small
+    items can be read straight into their slots (``slot``): ``frame`` then copies nothing for
+    them (a copy cost ~0.25 ms per MiB here, a third of the broadcast that follows)."""
+
+    def __init__(self, sizes: list[int], buffers=NO_REUSE):
+        self.layout = layout(sizes)
+        self.head = buffers.take(self.layout.slots[0][1])
+
+    def slot(self, k: int) -> torch.Tensor | None:
+        """Where item ``k``'s bytes travel from, if they travel in message 0."""
+        n = self.layout.sizes[k]
+        return self.head[self.layout.offsets[k]: self.layout.offsets[k] + n] if n < BIG else None
+
+
+def frame(sizes: list[int], payloads: list, buffers=NO_REUSE,
+          shipment: Shipment | None = None) -> tuple[list[torch.Tensor], bytes]:
     """Leader: the messages for ``payloads`` (a tensor of the item's bytes, or why there is none),
     in ``layout(sizes).slots`` order, and the reasons message (empty when nothing failed).
 
-    Message 0 comes from ``buffers`` (reused pages: a big copy into fresh ones costs as much
-    again); its padding bytes are left as they are, a failed item's slot is zeroed. Byte work
-    goes through numpy: each torch op costs several microseconds here, at every batch."""
-    lay = layout(sizes)
+    Message 0 is ``shipment``'s, or comes from ``buffers`` (reused pages: a big copy into fresh
+    ones costs as much again); a payload already in its slot is not copied, its padding bytes
+    are left as they are, a failed item's slot is zeroed. Byte work goes through numpy: each
+    torch op costs several microseconds here, at every batch."""
+    lay = layout(sizes) if shipment is None else shipment.layout
     raws = [_raw(p, n) for p, n in zip(payloads, sizes)]
     reasons = {k: r for k, r in enumerate(raws) if isinstance(r, str)}
     blob = msgpack.packb(reasons) if reasons else b""
-    head = buffers.take(lay.slots[0][1])
-    out = head.numpy()
+    head = buffers.take(lay.slots[0][1]) if shipment is None else shipment.head
+    out, base = head.numpy(), head.data_ptr()
     struct.pack_into("<q", out, 0, len(blob))
     if len(blob) <= INLINE_REASONS:  # no message more for a failed item (the reasons' own collective)
         out[PREFIX: PREFIX + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
@@ -175,8 +192,10 @@ def frame(sizes: list[int], payloads: list, buffers=NO_REUSE) -> tuple[list[torc
         failed = isinstance(raw, str)
         if n >= BIG:
             messages.append(torch.zeros(n, dtype=torch.uint8) if failed else raw)
-        else:
-            out[lay.offsets[k]: lay.offsets[k] + n] = 0 if failed else raw.numpy()
+        elif failed:
+            out[lay.offsets[k]: lay.offsets[k] + n] = 0
+        elif n and raw.data_ptr() != base + lay.offsets[k]:  # not read into its slot: copy it there
+            out[lay.offsets[k]: lay.offsets[k] + n] = raw.numpy()
     return messages, blob
 
 
@@ -202,11 +221,12 @@ def unframe(lay: Layout, buf: torch.Tensor, blob: bytes) -> list:
             for k, (off, n) in enumerate(zip(lay.offsets, lay.sizes))]
 
 
-def ship(topo: Topology, sizes: list[int], payloads: list, buffers=NO_REUSE) -> int:
+def ship(topo: Topology, sizes: list[int], payloads: list, buffers=NO_REUSE,
+         shipment: Shipment | None = None) -> int:
     """Leader: send every remote host the items' bytes (or why not); returns feature bytes sent."""
     import torch.distributed as dist
 
-    messages, blob = frame(sizes, payloads, buffers)
+    messages, blob = frame(sizes, payloads, buffers, shipment)
     if len(blob) > INLINE_REASONS:
         messages.append(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
     works = [dist.broadcast(m, 0, group=topo.links.get(h), async_op=True)

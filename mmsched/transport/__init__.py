@@ -14,7 +14,7 @@ import torch
 from ..faults import NO_FAULTS, Faults
 from ..protocol import Item
 from .base import OpenedFeature, typed
-from .buffers import Buffers
+from .buffers import Buffers, Into
 from .closer import Closer
 from .cuda_ipc import Attachments, CudaIpcFeature, acknowledge
 from .forwarded import ForwardedFeature
@@ -41,21 +41,24 @@ class Transports:
         self.closer = Closer()  # big segments' last descriptors, closed off the lane and the loop
         self.attached = Attachments(attach_limit)
 
-    def open(self, item: Item, rid: str, lookup: Callable[[str], torch.Tensor] | None = None) -> OpenedFeature:
+    def open(self, item: Item, rid: str, lookup: Callable[[str], torch.Tensor] | None = None,
+             into: torch.Tensor | None = None) -> OpenedFeature:
         """Open one item on this rank. Never raises: errors are kept on the feature.
 
-        ``lookup(ref)`` resolves a session item to the session's stored tensor. The protocol
-        admits only these five transports (memfd is an extension)."""
+        ``lookup(ref)`` resolves a session item to the session's stored tensor; ``into``, an
+        uint8 view of the item's size, is where an shm or memfd read lands (the leader's
+        shipment slot). The protocol admits only these five transports (memfd is an extension)."""
+        buffers = self.buffers if into is None else Into(into)
         if item.transport == "shm":
             if item.pooled:
-                return PooledFeature(item, rid, self.faults, self.pools, self.buffers)
-            return ShmFeature(item, rid, self.faults, self.buffers, self.closer)
+                return PooledFeature(item, rid, self.faults, self.pools, buffers)
+            return ShmFeature(item, rid, self.faults, buffers, self.closer)
         if item.transport == "inline":
             return InlineFeature(item, rid, self.faults)
         if item.transport == "session":
             return SessionFeature(item, rid, self.faults, lookup)
         if item.transport == "memfd":
-            return MemfdFeature(item, rid, self.faults, self.memfds, self.buffers)
+            return MemfdFeature(item, rid, self.faults, self.memfds, buffers)
         return CudaIpcFeature(item, rid, self.faults, self.rank, self.world, self.attached)
 
     def forwarded(self, item: Item, rid: str) -> ForwardedFeature:

@@ -65,6 +65,17 @@ class Buffers:
             self._free, self.kept = [], 0
 
 
+class Into:
+    """One destination chosen before the read (the leader's shipment slot, ``remote.Shipment``):
+    the read lands where the bytes will travel from, so shipping them copies nothing."""
+
+    def __init__(self, view: torch.Tensor):
+        self.view = view
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        return self.view if self.view.numel() == nbytes else torch.empty(nbytes, dtype=torch.uint8)
+
+
 NO_REUSE = Buffers(limit=0)  # for features built outside a ``Transports`` (benchmarks, tests)
 
 

@@ -171,3 +171,66 @@ def test_a_kept_forwarded_feature_is_never_overwritten_by_a_later_batch():
     del held, later
     again = land(second)
     assert buffers.reused >= 1 and torch.equal(again, second)
+
+
+def test_items_read_into_their_shipment_slots_travel_as_read_and_the_rest_is_copied_in():
+    """The leader reads small host-bound items straight into the batch's shipment (``Shipment``,
+    ``Transports.open(into=...)``): real segments, read as a rank reads them; the features it
+    hands its own engine are those bytes, and what arrives is the client's bytes for each item:
+    one read into its slot, one that was not (a session item: copied in), one failed (zeroed)."""
+    from mmsched.producers import create_segment
+    from mmsched.transport import Transports
+    from mmsched.transport.buffers import Buffers
+
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in (300_001, 5, 700_000)]
+    segs = [create_segment(t) for t in tensors]
+    for s in segs:
+        s.sent()
+    tr, buffers = Transports(), Buffers(limit=16 << 20)
+    try:
+        sizes = [nbytes(t) for t in tensors]
+        shipment = remote.Shipment(sizes, buffers)
+        items = [Item(index=k, modality="image", transport="shm", dtype="uint8", shape=(n,), nbytes=n,
+                      shm_name=s.name) for k, (n, s) in enumerate(zip(sizes, segs))]
+        read = tr.open(items[0], "r0", into=shipment.slot(0)).materialize()
+        other = tr.open(items[2], "r2").materialize()  # not into its slot (as a session item is not)
+        head = shipment.head
+        assert head.data_ptr() <= read.data_ptr() < head.data_ptr() + head.numel(), "read into its slot"
+        assert torch.equal(read, tensors[0]) and torch.equal(other, tensors[2])
+        messages, blob = remote.frame(sizes, [read, "FileNotFoundError: gone", other], shipment=shipment)
+        assert messages[0] is head and torch.equal(read, tensors[0]), "shipping leaves the leader's bytes alone"
+        got = remote.unframe(shipment.layout, messages[0].clone(), blob)
+        assert torch.equal(got[0], tensors[0]) and torch.equal(got[2], tensors[2])
+        assert got[1] == "FileNotFoundError: gone"
+        off = shipment.layout.offsets[1]
+        assert not head[off: off + 5].any(), "a failed item's slot travels as zeros"
+    finally:
+        tr.clear()
+        for s in segs:
+            s.discard()
+
+
+def test_a_feature_read_into_a_shipment_is_never_overwritten_by_a_later_batchs():
+    """The engine (or anyone) may keep a feature read into batch k's shipment: batch k+1's
+    shipment lands elsewhere while a view of it lives, and reuses it once nothing does."""
+    from mmsched.transport.buffers import Buffers
+
+    buffers = Buffers(limit=16 << 20)
+    first, second = torch.full((600_000,), 1, dtype=torch.uint8), torch.full((600_000,), 2, dtype=torch.uint8)
+    sizes = [600_000, 600_000]  # 1.2 MiB of message 0: a pooled buffer
+
+    def ship_one(t: torch.Tensor) -> torch.Tensor:
+        s = remote.Shipment(sizes, buffers)
+        kept = s.slot(0)
+        kept.copy_(t)  # what the read does
+        s.slot(1).copy_(t)
+        remote.frame(sizes, [kept, s.slot(1)], shipment=s)
+        return kept
+
+    held = ship_one(first)
+    later = ship_one(second)
+    assert torch.equal(held, first) and torch.equal(later, second)
+    del held, later
+    ship_one(second)
+    assert buffers.reused >= 1
