@@ -177,11 +177,15 @@ class Holds:
         ``name``, unlinking it unless a request outside the batch holds it (then the drop of
         the last hold does), and returns ``close``'s result. The batch's holds are counted once."""
         in_batch = Counter(name for r in batch if r.holds for name in r.holds)
-        return lambda name, close: self._release(name, in_batch[name], close)
+        return lambda name, close: self._release(name, in_batch[name], close, batch)
 
-    def _release(self, name: str, in_batch: int, close: Callable[[bool], bool]) -> bool:
+    def _release(self, name: str, in_batch: int, close: Callable[[bool], bool], batch: list) -> bool:
         with self._lock:
             entry = self._held.get(name)
+            if entry is None and any(r.holds is None and name in r.owned_segments for r in batch):
+                # its request was answered while the batch ran (a second signal): that answer
+                # released it, and the name may be the client's new segment by now
+                return close(False)
             kept = entry is not None and entry[1] > in_batch
             if kept:
                 self._owed.add(name)

@@ -116,3 +116,32 @@ def test_a_request_admitted_while_a_batch_decides_either_holds_first_or_finds_th
         assert holds.drop(first.holds) == 0 and len(holds) == 0
     finally:
         seg.discard()
+
+
+def test_a_batch_leaves_alone_a_name_its_answered_request_already_released():
+    """Outside attack (second SIGTERM at tp=1): requests in flight are answered 503 and their
+    segments unlinked while the batch still runs; the client re-creates a segment under the
+    same name; the batch's release then unlinked the client's new segment."""
+
+    class Running(Req):
+        def __init__(self, holds, names):
+            super().__init__(holds)
+            self.owned_segments = names
+
+    seg = create_segment(b"s" * 64)
+    seg.sent()
+    holds, closed = Holds(), []
+    try:
+        req = Running(holds.hold([seg.name]), [seg.name])
+        owner = holds.owner([req])  # the batch is past its consensus
+        holds.drop(req.holds)       # the second signal: answered, its hold dropped ...
+        req.holds = None
+        assert holds.unlink_unheld(req.owned_segments) == 1  # ... and its segment released
+        with open(os.path.join("/dev/shm", seg.name), "xb") as fh:  # the client's new segment, same name
+            fh.write(b"n" * 64)
+        assert owner(seg.name, lambda unlink: closed.append(unlink) or True) is True
+        assert closed == [False] and linked(seg), "the batch must not unlink the client's new segment"
+    finally:
+        seg.discard()
+        if linked(seg):
+            os.unlink(os.path.join("/dev/shm", seg.name))
