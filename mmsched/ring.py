@@ -32,6 +32,7 @@ import struct
 import time
 
 from .errors import GroupBroken
+from .segments import shm_path
 
 SLOTS = 8
 SLOT_BYTES = 1 << 20              # a batch with a 1 MiB inline feature fits in two; 64 KiB slots cost
@@ -100,19 +101,21 @@ class Ring:
     @classmethod
     def create(cls, name: str, readers: int, timeout_s: float) -> "Ring":
         """The leader's end; it holds a shared flock until ``unlink``, so the sweep leaves it alone."""
-        fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(shm_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.ftruncate(fd, segment_bytes(readers))
+            os.posix_fallocate(fd, 0, segment_bytes(readers))  # pages now: a full /dev/shm fails the start
+            # (ENOSPC), not a write into a hole later (SIGBUS in the leader)
             return cls(name, fd, readers, None, timeout_s)
         except BaseException:
             os.close(fd)
-            os.unlink(f"/dev/shm/{name}")
+            os.unlink(shm_path(name))
             raise
 
     @classmethod
     def attach(cls, name: str, readers: int, index: int, timeout_s: float) -> "Ring":
-        fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+        fd = os.open(shm_path(name), os.O_RDWR)
         try:
             if os.fstat(fd).st_size != segment_bytes(readers):
                 raise GroupBroken(f"ring {name}: unexpected size {os.fstat(fd).st_size}")
@@ -123,7 +126,7 @@ class Ring:
     def unlink(self) -> None:
         """The name goes once every reader has mapped it: nothing is left in /dev/shm, even after kill -9."""
         try:
-            os.unlink(f"/dev/shm/{self.name}")
+            os.unlink(shm_path(self.name))
         except FileNotFoundError:
             pass
         if self._fd >= 0 and self.index is None:

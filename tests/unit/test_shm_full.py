@@ -103,3 +103,15 @@ async def test_a_request_still_succeeds_when_shm_is_full(full_shm, client_warnin
     assert torch.equal(r.embedding, same.embedding)
     assert any(m.startswith("shm_full falling_back=inline") for m in client_warnings)
     assert os.listdir(full_shm) == []
+
+
+def test_a_batch_ring_that_does_not_fit_fails_the_start_and_leaves_nothing(full_shm):
+    """The ring's pages are reserved when the group starts: a /dev/shm without room for it is
+    an error then (the group does not start), never a SIGBUS when a big batch first reaches
+    a page of it."""
+    from mmsched.ring import Ring
+
+    with pytest.raises(OSError) as exc:
+        Ring.create("mmsched_test_ring", readers=1, timeout_s=1.0)
+    assert exc.value.errno == 28  # ENOSPC
+    assert os.listdir(full_shm) == []
