@@ -36,7 +36,7 @@ from .segments import shm_path
 
 SLOTS = 8
 SLOT_BYTES = 1 << 20              # a batch with a 1 MiB inline feature fits in two; 64 KiB slots cost
-# tp=2 a hand-off (a futex wake and a wait) per 64 KiB: 1 MiB inline features 16-62% slower (s28)
+# tp=2 a hand-off (a futex wake and a wait) per 64 KiB: 1 MiB inline features 16-62% slower
 PAYLOAD = SLOT_BYTES - 8
 TICK_S = 0.05                    # how often a wait looks at its deadline and the other side
 MASK = 0xFFFFFFFF
