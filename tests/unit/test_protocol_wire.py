@@ -61,3 +61,35 @@ def test_a_batch_round_trips_with_its_inline_payload():
     assert got.input_ids.tolist() == [0, 1, 2, 3] and got.session_id == "s" and got.want_digest
     assert bytes(got.items[0].payload) == bytes(range(12)) and got.items[0].nbytes == 12
     assert msgpack.unpackb(Batch(1).encode()) == [1, False, [], [], False]
+
+
+def test_a_batch_with_big_inline_payloads_encodes_to_packbs_bytes_and_back():
+    """Big payloads are joined rather than packed (the leader's encode at tp=2): the bytes must
+    be exactly ``packb``'s, whatever mix of sizes, buffer types, sessions and params."""
+    import numpy as np
+
+    from mmsched.protocol.batch import BIG_PAYLOAD
+
+    rng = np.random.default_rng(5)
+    sizes = [0, 7, BIG_PAYLOAD - 1, BIG_PAYLOAD, BIG_PAYLOAD + 3, 3 << 20]
+    reqs = []
+    for k in range(12):
+        items = []
+        for j in range(int(rng.integers(0, 4))):
+            n = int(rng.choice(sizes))
+            raw = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+            payload = memoryview(raw) if j % 2 else bytearray(raw)
+            items.append(Item(index=j, modality="image", transport="inline", dtype="uint8", shape=(n,), nbytes=n,
+                              payload=payload, id=f"i{j}" if k % 3 == 0 else None))
+        items.append(Item(index=len(items), modality="audio", transport="shm", dtype="float32", shape=(4,),
+                          nbytes=16, shm_name=f"mmsched_s{k}"))
+        reqs.append(Request(f"r{k}", "embed", np.arange(k + 1, dtype="<i4"), items, session_id="s" if k % 2 else None,
+                            params={"temperature": 0.5, "nested": {"k": [1, 2, b"x" * k]}}))
+    batch = Batch(9, reqs, closes=["gone"], gather_stats=True)
+    packed = msgpack.packb([9, False, [r.wire() for r in reqs], ["gone"], True], use_bin_type=True)
+    assert any(it.nbytes >= BIG_PAYLOAD for r in reqs for it in r.items), "the joined path ran"
+    assert batch.encode() == packed
+    back = Batch.decode(batch.encode())
+    for sent, got in zip(reqs, back.requests):
+        assert [bytes(it.payload) if it.payload is not None else None for it in got.items] == \
+               [bytes(it.payload) if it.payload is not None else None for it in sent.items]
