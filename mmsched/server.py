@@ -254,7 +254,8 @@ def launch_group(cfg: Config, argv: list[str]) -> int:
         if failed_at is None and any(c not in (None, 0) for c in codes):
             failed_at = time.monotonic()
             event("rank_exited", logging.ERROR, codes=",".join(str(c) for c in codes))
-        if failed_at is not None and time.monotonic() - failed_at > cfg.collective_timeout + 5:
+        refused = 2 in codes  # a rank refused its config at start: nothing ran, nobody to wait for
+        if failed_at is not None and (refused or time.monotonic() - failed_at > cfg.collective_timeout + 5):
             for p in procs:
                 if p.poll() is None:
                     p.kill()

@@ -308,3 +308,23 @@ async def test_a_rid_reused_after_an_in_flight_abort_runs(stalling):
         assert again.meta["digests"] == [sha256_of(y)]
     assert r.meta.get("stage") == "engine", r.meta
     assert my_segments() == set()
+
+
+def test_at_tp2_a_refused_config_stops_the_group_at_once(tmp_path):
+    """Third outside attack: rank 0 refused its config (exit 2) and the follower waited in
+    start-up until the launcher killed it, collective_timeout + 5 s later (~41 s). Now the
+    launcher stops the rest at once and exits 2; the subprocess timeout is well under
+    collective_timeout, so a launcher that still waits fails here."""
+    import resource
+    import subprocess
+    import sys
+
+    def low_limit():  # room for a follower (64 x 64 + 1024), not for the leader (+ 8192 queued items)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (8192, 8192))
+
+    proc = subprocess.run([sys.executable, "-m", "mmsched", "serve", "--tp", "2", "--collective-timeout", "120",
+                           "--frontend", f"ipc://{tmp_path}/x.sock"],
+                          preexec_fn=low_limit, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("MMSCHED_")})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "max_queued_items" in proc.stdout + proc.stderr
