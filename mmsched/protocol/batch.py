@@ -17,6 +17,19 @@ def _big(value) -> bool:
     return isinstance(value, (bytes, bytearray, memoryview)) and memoryview(value).nbytes >= BIG_PAYLOAD
 
 
+def _item_parts(pk: msgpack.Packer, d: dict) -> list:
+    """One item's map as ``packb`` writes it, a big payload as its bin header and its own buffer."""
+    parts = [pk.pack_map_header(len(d))]
+    for key, value in d.items():
+        parts.append(pk.pack(key))
+        if _big(value):
+            view = memoryview(value).cast("B")
+            parts += [_bin_header(view.nbytes), view]
+        else:
+            parts.append(pk.pack(value))
+    return parts
+
+
 def _bin_header(n: int) -> bytes:
     """MessagePack's bin header for ``n`` bytes, the smallest that fits (as ``packb`` writes it)."""
     return struct.pack(">BI", 0xC6, n) if n > 0xFFFF else struct.pack(">BH", 0xC5, n) if n > 0xFF else bytes((0xC4, n))
@@ -48,19 +61,12 @@ class Batch:
         for w in wires:
             parts.append(pk.pack_array_header(len(w)))
             for k, field_ in enumerate(w):
-                if k != 3:
+                if k == 3:  # the items: their big payloads joined, not copied into the packer
+                    parts.append(pk.pack_array_header(len(field_)))
+                    for d in field_:
+                        parts += _item_parts(pk, d)
+                else:
                     parts.append(pk.pack(field_))
-                    continue
-                parts.append(pk.pack_array_header(len(field_)))  # the items: their payloads not copied
-                for d in field_:
-                    parts.append(pk.pack_map_header(len(d)))
-                    for key, value in d.items():
-                        parts.append(pk.pack(key))
-                        if _big(value):
-                            view = memoryview(value).cast("B")
-                            parts += [_bin_header(view.nbytes), view]
-                        else:
-                            parts.append(pk.pack(value))
         parts += [pk.pack(self.closes), pk.pack(self.gather_stats)]
         return b"".join(parts)
 

@@ -34,31 +34,32 @@ class Shipper(Local):
 
     def __init__(self, topo: Topology, transports: Transports):
         super().__init__(topo, transports)
-        self._shipment: remote.Shipment | None = None  # the batch's, from ``open`` to ``ship``
+        # the batch's host-bound items and its shipment, from ``open`` to ``ship``
+        self._keys: list[tuple[int, int]] = []
+        self._shipment: remote.Shipment | None = None
 
     def open(self, reqs, open_local: Callable) -> list[list]:
         """Host-bound items that travel in message 0 are read straight into their slots of this
         batch's shipment (no copy when shipping), except items a session may keep: a kept view
         would pin the whole shipment."""
-        keys = remote.host_bound(reqs)
+        self._keys = keys = remote.host_bound(reqs)
         if not keys:
             self._shipment = None
             return super().open(reqs, open_local)
-        self._shipment = shipment = remote.Shipment([reqs[i].items[j].nbytes for i, j in keys],
-                                                    self.transports.buffers)
-        into = {key: shipment.slot(k) for k, key in enumerate(keys)
-                if reqs[key[0]].items[key[1]].transport in self.READ_INTO and reqs[key[0]].items[key[1]].id is None}
+        items = [reqs[i].items[j] for i, j in keys]
+        self._shipment = shipment = remote.Shipment([it.nbytes for it in items], self.transports.buffers)
+        into = {key: shipment.slot(k) for k, (key, it) in enumerate(zip(keys, items))
+                if it.transport in self.READ_INTO and it.id is None}
         return [[open_local(it, r, into.get((i, j))) for j, it in enumerate(r.items)] for i, r in enumerate(reqs)]
 
     def ship(self, reqs, m: Materialized, counters: RankCounters) -> None:
-        keys = remote.host_bound(reqs)
-        shipment, self._shipment = self._shipment, None
+        keys, shipment, self._keys, self._shipment = self._keys, self._shipment, [], None
         if not keys:
             return
-        sizes = [reqs[i].items[j].nbytes for i, j in keys]
         payloads = [m.tensors[i][j] if i not in m.errors and m.tensors[i]
                     else m.errors.get(i, "aborted before it was read") for i, j in keys]
-        counters.bytes_forwarded += remote.ship(self.topo, sizes, payloads, self.transports.buffers, shipment)
+        counters.bytes_forwarded += remote.ship(self.topo, shipment.layout.sizes, payloads, self.transports.buffers,
+                                                shipment)
         for i, j in keys:
             if reqs[i].items[j].transport == "cuda_ipc":  # remote ranks never touch the pool
                 self.transports.acknowledge(reqs[i].items[j], self.topo.remote_ranks, reqs[i].rid)
