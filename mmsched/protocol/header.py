@@ -120,5 +120,7 @@ class Unread:
 
 
 def frame_len(frame: Any) -> int:
-    return len(frame) if not hasattr(frame, "buffer") else frame.buffer.nbytes
+    """A frame's bytes. A zmq.Frame's ``len`` is its size (looking up its ``buffer`` costs
+    ~0.7 µs here, twice per request); a memoryview's ``len`` counts items, not bytes."""
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
 

@@ -139,6 +139,8 @@ class Holds:
 
     def hold(self, names: list[str]) -> list[str]:
         """Lock each segment (or count one more holder); the names held, for ``drop``."""
+        if not names:  # a request that hands over no segment (text-only, say): no lock to take
+            return []
         held = []
         with self._lock:
             for name in names:
@@ -157,6 +159,8 @@ class Holds:
 
     def drop(self, names: list[str], rid: str | None = None) -> int:
         """Drop one hold per name, unlinking what a batch left to its last holder; the number unlinked."""
+        if not names:
+            return 0
         unlinked = 0
         with self._lock:
             for name in names:

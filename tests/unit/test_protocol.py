@@ -142,6 +142,7 @@ CASES = {
     "input_ids 2^63": (base(input_ids=[2**63]), "input_ids"),
     "input_ids bin 5 bytes": (base(input_ids=b"\x01\x00\x00\x00\x02"), "input_ids"),
     "input_ids bin negative": (base(input_ids=np.array([-3], "<i4").tobytes()), "input_ids"),
+    "input_ids bin negative among valid": (base(input_ids=np.array([5, 2**31 - 1, 0, -2**31, 9], "<i4").tobytes()), "input_ids"),
     "params not map": (base(params=[1]), "params"),
     "max_new_tokens 0": (base(type="generate", params={"max_new_tokens": 0}), "params.max_new_tokens"),
     "max_new_tokens -1": (base(type="generate", params={"max_new_tokens": -1}), "params.max_new_tokens"),
