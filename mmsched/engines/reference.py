@@ -20,7 +20,7 @@ from ..engine import EngineContext, EngineRequest
 
 
 class ReferenceEngine:
-    D_IN, HIDDEN, TOKEN_TABLE, CHUNKS = 64, 256, 4096, 16
+    D_IN, HIDDEN, TOKEN_TABLE, CHUNKS = 64, 256, 4096, 16  # TOKEN_TABLE: a power of two (_encode_rows)
     BLOCK_IDS = 1 << 12  # ids gathered in one block: its rows (2 MiB) stay in cache while summed
 
     def __init__(self, ctx: EngineContext):
@@ -85,7 +85,8 @@ class ReferenceEngine:
         """The rows of requests of ``length`` ids (None: odd ids, each request alone)."""
         if length:
             try:
-                ids = np.stack([requests[i].input_ids for i in rows]) % self.TOKEN_TABLE
+                # & (TOKEN_TABLE - 1) is % TOKEN_TABLE for every int (a power of two), 10x cheaper
+                ids = np.stack([requests[i].input_ids for i in rows]) & (self.TOKEN_TABLE - 1)
                 x[rows] = np.take(self.columns, ids, axis=0).sum(axis=1) / length  # take: faster than []
             except (IndexError, TypeError):  # int64 and uint64 ids stack as floats: each alone then
                 length = None
