@@ -130,8 +130,10 @@ class ReferenceEngine:
 
     def _outputs(self, requests: list[EngineRequest], rows: np.ndarray, failed: dict) -> list[dict | Exception]:
         """Each request's output from its row of ``rows`` [n, HIDDEN]; the embeddings are
-        normalised in one pass (each row's norm is still its own ``h @ h``: the same bits)."""
-        norms = np.array([r @ r for r in rows])
+        normalised in one pass. Each row's norm is still its own ``h @ h``: a stack of [1, H] @
+        [H, 1] products runs numpy's vector dot per row, as ``h @ h`` does (the same bits), in
+        one call (a row at a time cost ~2.4 us a request here)."""
+        norms = (rows[:, None, :] @ rows[:, :, None])[:, 0, 0]
         np.sqrt(norms, out=norms)
         emb = (rows / np.maximum(norms, 1e-12)[:, None]).astype("<f4")
         return [failed[i] if i in failed

@@ -27,17 +27,17 @@ def readable_rid(header: Any) -> str | None:
 def decode(frames: Sequence[Any], limits: Limits) -> Message:
     """Frames (header first, then payloads as buffers) → a typed message, or BadRequest."""
     header = unpack_header(frames[0], limits)
-    rid = readable_rid(header)
     for key, v in header.items():
         if isinstance(v, Unread):
-            raise BadRequest(key, v.problem, rid)
+            raise BadRequest(key, v.problem, readable_rid(header))
     size = sum(map(frame_len, frames))
     if size > limits.max_message_bytes:
-        raise BadRequest("message", f"{size} bytes exceed max_message_bytes={limits.max_message_bytes}", rid)
+        raise BadRequest("message", f"{size} bytes exceed max_message_bytes={limits.max_message_bytes}",
+                         readable_rid(header))
     try:
         return _decode(header, frames, limits)
-    except BadRequest as exc:
-        exc.rid = rid
+    except BadRequest as exc:  # the rid a 400 may carry, looked for only when there is a 400
+        exc.rid = readable_rid(header)
         raise
 
 

@@ -97,7 +97,7 @@ class Request:
 
     @property
     def owned_segments(self) -> list[str]:
-        return [it.owned_segment for it in self.items if it.owned_segment]
+        return [it.owned_segment for it in self.items if it.owned_segment] if self.items else []
 
     @property
     def feature_bytes(self) -> int:
