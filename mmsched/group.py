@@ -80,24 +80,21 @@ def all_gather(payload: np.ndarray, world: int, pg) -> np.ndarray:
     """Every rank's ``payload`` (bytes, as a 1-D uint8 array) on process group ``pg``, stacked:
     [world, n], in a fresh array.
 
-    A pairwise exchange over gloo, posted on the process group itself: each rank posts a
-    receive from every other rank, then a send to each, then waits on them. Posted from this
-    thread, a send goes straight to the socket once the peer's receive is known, and a
-    receive completes on gloo's transport thread; gloo's collective all-gather first hands
-    the call to a worker thread and walks a ring (tp=2, two processes: p50 0.65-0.83 ms
-    against 0.99-1.35 ms per call). The rows are numpy and the calls skip torch.distributed's
-    Python layer (its checks and group lookups): each torch call costs microseconds, on every
-    batch (warm, tp=2, 900 bytes: 94 against 172 µs of CPU per call, 240 against 432 µs)."""
+    gloo's collective all-gather, called on the process group itself (skipping
+    torch.distributed's Python layer: its checks and group lookups cost ~80 µs of CPU a call
+    here). Not a pairwise exchange posted from this thread (session 27's choice, on its
+    p50): its calls fall in two groups, most ~0.3 ms and 10-25% ~4 ms (one scheduler tick on
+    this host; every call, with each rank pinned to its own CPU), where a plain TCP or pipe
+    round trip between the same CPUs takes 20-30 µs. (Likely why, not proven: the thread
+    that posts holds the pair's lock, and gloo's transport thread, woken by the peer's
+    bytes, only try-locks it and polls again, spinning until a tick when the two share a
+    CPU.) Measured here (session 29, two rank processes, 3,000 back-to-back calls):
+    pairwise p50 0.27-0.28 ms, p90 4.0 ms, mean 0.99-1.25 ms; the collective p50 0.33-0.34,
+    p90 0.46-0.47, mean 0.44-0.45 ms."""
     try:
-        me = pg.rank()
         payload = np.ascontiguousarray(payload, dtype=np.uint8)
         out = np.empty((world, payload.size), dtype=np.uint8)
-        out[me] = payload
-        mine = torch.from_numpy(payload)
-        works = [pg.recv([torch.from_numpy(out[r])], r, 0) for r in range(world) if r != me]
-        works += [pg.send([mine], r, 0) for r in range(world) if r != me]
-        for w in works:
-            w.wait()
+        pg.all_gather_single(torch.from_numpy(out).view(-1), torch.from_numpy(payload)).wait()
         return out
     except RuntimeError as exc:
         raise GroupBroken(f"all_gather failed: {exc}") from exc
