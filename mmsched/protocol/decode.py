@@ -225,32 +225,32 @@ def _ipc(ipc: Any, f: str, limits: Limits) -> dict:
 
 
 def _input_ids(v: Any, limits: Limits) -> np.ndarray:
-    """The ids as int32. The common case, a bin of int32, is never copied and cannot reach
-    2^31; a list is bound checked by one min (and one max) over the array."""
+    """The ids as int32, their count checked before anything is built. The common case, a bin
+    of int32, is never copied and cannot reach 2^31; a list is bound checked by one min (and
+    one max) over the array."""
     f = "input_ids"
     if isinstance(v, (bytes, bytearray)):
         if len(v) % 4:
             raise BadRequest(f, "bin length must be a multiple of 4 (little-endian int32)")
-        if not 1 <= len(v) // 4 <= limits.max_input_len:
-            raise BadRequest(f, f"length {len(v) // 4} outside 1..{limits.max_input_len} (max_input_len)")
+        n = len(v) // 4
+    elif isinstance(v, list):
+        n = len(v)
+    else:
+        raise BadRequest(f, "required: an array of ints or a bin of int32")
+    if not 1 <= n <= limits.max_input_len:  # before numpy copies a list
+        raise BadRequest(f, f"length {n} outside 1..{limits.max_input_len} (max_input_len)")
+    if not isinstance(v, list):
         # an id is negative exactly when the top bit of its last byte is set: one C pass over
         # every fourth byte (numpy's min cost ~4% of the leader's time holding the GIL at tp=2)
         if not v[3::4].isascii():
             raise BadRequest(f, "each id must satisfy 0 <= id < 2^31")
         return np.frombuffer(v, dtype=I32)
-    elif isinstance(v, list):
-        if len(v) > limits.max_input_len:  # before numpy copies it
-            raise BadRequest(f, f"length {len(v)} outside 1..{limits.max_input_len} (max_input_len)")
-        try:
-            arr = np.array(v) if v else np.zeros(0, dtype=np.int64)
-        except (ValueError, TypeError, OverflowError):  # ragged or otherwise not an int array
-            raise BadRequest(f, "must be an array of ints or a bin of int32") from None
-        if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise BadRequest(f, "must be an array of ints or a bin of int32")
-    else:
-        raise BadRequest(f, "required: an array of ints or a bin of int32")
-    if not 1 <= arr.size <= limits.max_input_len:
-        raise BadRequest(f, f"length {arr.size} outside 1..{limits.max_input_len} (max_input_len)")
+    try:
+        arr = np.array(v)
+    except (ValueError, TypeError, OverflowError):  # ragged or otherwise not an int array
+        raise BadRequest(f, "must be an array of ints or a bin of int32") from None
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise BadRequest(f, "must be an array of ints or a bin of int32")
     if _min(arr) < 0 or (arr.dtype != I32 and _max(arr) >= 2**31):
         raise BadRequest(f, "each id must satisfy 0 <= id < 2^31")
     return arr if arr.dtype == I32 else arr.astype(I32)

@@ -4,8 +4,24 @@ the group allows it."""
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from ..protocol.batch import Batch
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A batch started on the lane and not yet published, with its bytes once encoded: a
+    batch ``ahead`` found no room for is published by ``through`` with the same bytes (a big
+    inline batch costs milliseconds to encode)."""
+
+    batch: Batch
+    _bytes: bytes | None = None
+
+    def encoded(self) -> bytes:
+        if self._bytes is None:
+            self._bytes = self.batch.encode()
+        return self._bytes
 
 
 class Publisher:
@@ -25,34 +41,25 @@ class Publisher:
         """``group``: the rank group (its ``broadcast`` and ``publishes_ahead``); None for a
         group of one, which publishes nothing."""
         self.group, self.can_go_ahead = group, bool(group is not None and group.publishes_ahead)
-        # started on the lane, not yet published, in lane order: [batch, its encoding once made]
-        self._waiting: deque[list] = deque()
+        self._waiting: deque[_Waiting] = deque()  # started on the lane, not yet published; lane order
 
-    def _publish(self, entry: list) -> None:
+    def _publish(self, waiting: _Waiting) -> None:
         if self.group is not None:
-            self.group.broadcast(self._encoded(entry))
-
-    @staticmethod
-    def _encoded(entry: list) -> bytes:
-        """The batch's bytes, encoded once: a batch ``ahead`` found no room for is published by
-        ``through`` with the same bytes (a big inline batch costs milliseconds to encode)."""
-        if entry[1] is None:
-            entry[1] = entry[0].encode()
-        return entry[1]
+            self.group.broadcast(waiting.encoded())
 
     def started(self, batch: Batch) -> None:
-        self._waiting.append([batch, None])
+        self._waiting.append(_Waiting(batch))
 
     def through(self, batch: Batch) -> None:
         """Publish, in order, what waits up to and including ``batch`` (nothing if it went
         ahead). Batches are numbered in the order they are started; the loop thread may append
         meanwhile, so the deque is only ever read at its head, never iterated."""
-        while self._waiting and self._waiting[0][0].seq <= batch.seq:
+        while self._waiting and self._waiting[0].batch.seq <= batch.seq:
             self._publish(self._waiting.popleft())
 
     def ahead(self) -> None:
         """Every batch started so far, in order, while the group can publish it without waiting
         (a full ring would wait for a follower that may be waiting for this rank); the rest
         goes when it runs (``through``)."""
-        while self._waiting and self.group.broadcast_if_room(self._encoded(self._waiting[0])):
+        while self._waiting and self.group.broadcast_if_room(self._waiting[0].encoded()):
             self._waiting.popleft()
