@@ -4,10 +4,13 @@ every later call at once (a thread, no sockets, no processes)."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
 import threading
 import time
 
 import pytest
+import uvloop
 
 from mmsched.errors import GroupBroken
 from mmsched.lane import Lane
@@ -133,3 +136,24 @@ def test_progress_of_one_call_does_not_extend_the_deadline_of_another():
 
     asyncio.run(scenario())
     lane.close()
+
+
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_outcomes_reach_every_loop_that_starts_calls_and_close_frees_the_bell(run):
+    """Outcomes cross to the loop through the lane's eventfd (uvloop's call_soon_threadsafe
+    wakes the loop with the GIL held): each call settles with its own result, errors stay
+    errors, a lane outlives a loop (a new one takes the bell over), and close() frees it."""
+    run(asyncio.sleep(0))  # uvloop's first loop in a process leaves a pipe of its own, for good
+    fds = len(os.listdir("/proc/self/fd"))
+    lane = Lane(5.0)
+
+    async def burst(base: int) -> list:
+        return await asyncio.gather(*(lane.run(lambda i=i: base + i) for i in range(50)))
+
+    assert run(burst(0)) == list(range(50))
+    assert run(burst(100)) == list(range(100, 150)), "a second loop gets its outcomes too"
+    with pytest.raises(GroupBroken):
+        run(lane.run(lambda: 1 / 0))
+    lane.close()
+    gc.collect()  # the loops' own descriptors go with them
+    assert len(os.listdir("/proc/self/fd")) == fds
