@@ -118,7 +118,13 @@ def clip(text: str) -> str:
     return raw[: ERR_WIDTH - len(TRUNCATED)].decode("utf-8", "ignore") + TRUNCATED
 
 
+_NO_ERRORS = np.zeros(_TAIL, dtype=np.uint8)  # the tail of a rank with no failure (never written to)
+_NO_ERRORS.flags.writeable = False
+
+
 def _tail(errors: dict[int, str]) -> np.ndarray:
+    if not errors:  # the common case: concatenate copies it into the payload
+        return _NO_ERRORS
     out = np.zeros(_TAIL, dtype=np.uint8)
     out[:4] = np.frombuffer(np.int32(len(errors)).tobytes(), dtype=np.uint8)
     for k, i in enumerate(sorted(errors)[:ERR_SLOTS]):
