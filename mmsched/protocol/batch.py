@@ -47,11 +47,6 @@ class Batch:
     def empty(self) -> bool:
         return not self.requests and not self.closes
 
-    @property
-    def inline_bytes(self) -> int:
-        """The bytes of the inline payloads the batch carries (what its encoding copies)."""
-        return sum([it.nbytes for r in self.requests if r.items for it in r.items if it.payload is not None])
-
     def encode(self) -> bytes:
         """``msgpack.packb`` of ``[seq, stop, requests, closes, gather_stats]``, byte for byte.
 

@@ -3,13 +3,10 @@ the group allows it."""
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from dataclasses import dataclass
 
 from ..protocol.batch import Batch
-
-LOOP_BYTES = 64 << 10  # inline payload bytes a batch may carry and still be published by the loop
 
 
 @dataclass(slots=True)
@@ -28,17 +25,9 @@ class _Waiting:
 
 
 class Publisher:
-    """``started`` (loop thread) records a batch queued on the lane, and publishes it at once
-    where that cannot wait; ``through`` (lane thread, when the batch runs) publishes what is
-    still unpublished up to it; ``ahead`` (lane thread, once a step's agreement is in)
-    publishes every batch started so far.
-
-    Why at once: a batch started on an idle lane went out only once the lane thread woke and
-    published it, and the follower woke after that; published by the loop, both wake at the
-    same time. The loop publishes only a small batch (its copy into the ring costs the loop
-    microseconds), only when nothing started before it is still unpublished (lane order),
-    and never waits: it skips the publish when the lane is publishing (``_lock``) or the ring
-    has no room.
+    """``started`` (loop thread) records a batch queued on the lane; ``through`` (lane thread,
+    when the batch runs) publishes what is still unpublished up to it; ``ahead`` (lane thread,
+    once a step's agreement is in) publishes every batch started so far.
 
     Why ahead: a follower waits for the next batch while the leader renders and answers the
     last one. Where the group can publish without waiting for a follower (a ring on the
@@ -53,37 +42,24 @@ class Publisher:
         group of one, which publishes nothing."""
         self.group, self.can_go_ahead = group, bool(group is not None and group.publishes_ahead)
         self._waiting: deque[_Waiting] = deque()  # started on the lane, not yet published; lane order
-        self._lock = threading.Lock()  # held by whichever thread publishes: the loop or the lane
 
     def _publish(self, waiting: _Waiting) -> None:
         if self.group is not None:
             self.group.broadcast(waiting.encoded())
 
     def started(self, batch: Batch) -> None:
-        """On the loop, as the batch is queued on the lane: published now if it can be without
-        waiting, else kept for ``ahead`` or ``through``."""
-        waiting = _Waiting(batch)
-        if self.can_go_ahead and not self._waiting and batch.inline_bytes < LOOP_BYTES \
-                and self._lock.acquire(blocking=False):
-            try:  # under the lock, an empty deque means every batch before this one went out
-                if not self._waiting and self.group.broadcast_if_room(waiting.encoded()):
-                    return
-            finally:
-                self._lock.release()
-        self._waiting.append(waiting)
+        self._waiting.append(_Waiting(batch))
 
     def through(self, batch: Batch) -> None:
         """Publish, in order, what waits up to and including ``batch`` (nothing if it went
         ahead). Batches are numbered in the order they are started; the loop thread may append
         meanwhile, so the deque is only ever read at its head, never iterated."""
-        with self._lock:
-            while self._waiting and self._waiting[0].batch.seq <= batch.seq:
-                self._publish(self._waiting.popleft())
+        while self._waiting and self._waiting[0].batch.seq <= batch.seq:
+            self._publish(self._waiting.popleft())
 
     def ahead(self) -> None:
         """Every batch started so far, in order, while the group can publish it without waiting
         (a full ring would wait for a follower that may be waiting for this rank); the rest
         goes when it runs (``through``)."""
-        with self._lock:
-            while self._waiting and self.group.broadcast_if_room(self._waiting[0].encoded()):
-                self._waiting.popleft()
+        while self._waiting and self.group.broadcast_if_room(self._waiting[0].encoded()):
+            self._waiting.popleft()

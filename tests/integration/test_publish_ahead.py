@@ -44,8 +44,8 @@ def _rank(rank: int, port: int, ahead: bool, out, big: bool = False) -> None:
     if rank == 0:
         published = []
 
-        class Recording:  # the group, each batch it publishes recorded (ahead=False: only when it runs)
-            publishes_ahead = group.publishes_ahead and ahead
+        class Recording:  # the group, each batch it publishes recorded
+            publishes_ahead = group.publishes_ahead
 
             def broadcast(self, payload):
                 published.append(Batch.decode(payload).seq)
