@@ -102,7 +102,7 @@ class Lane:
     def start(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> asyncio.Future:
         """Queue ``fn(*args)`` now, before the caller yields; the future is its result (the
         leader starts the next batch this way, then answers the last one). One plain future,
-        settled from the lane thread, and one timer for the deadline: the hand-off through
+        settled when the lane rings its bell, and one timer for the deadline: the hand-off through
         tasks and wrapped futures cost ~120 µs more per batch here."""
         loop = asyncio.get_running_loop()
         if loop is not self._bell_loop:

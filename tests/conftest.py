@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -120,6 +122,23 @@ def sync_ping(addr: str, timeout: float = 1.0, server_key: str | None = None,
         return None
     finally:
         s.close(linger=0)
+
+
+def free_port() -> int:
+    """A free TCP port below the kernel's ephemeral range, for a server or a gloo store a test
+    starts: a port ``bind(0)`` hands out can be taken, before the server binds it, by the local
+    end of any outgoing connection, gloo's in a test running beside this one among them
+    ("Address already in use": 5 setup errors in one clean-clone ``.ci/run``)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+        low = int(fh.read().split()[0])
+    for port in random.sample(range(max(1024, low - 12000), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def pid_alive(pid: int) -> bool:

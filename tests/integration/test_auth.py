@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -30,24 +28,7 @@ import zmq.auth
 
 from mmsched.client import Client
 
-from ..conftest import Server, sync_ping
-
-
-def _free_port() -> int:
-    """A free port below the kernel's ephemeral range: a port the kernel hands out (bind 0)
-    can be taken, before the server binds it, by the local end of any outgoing connection,
-    gloo's in a test running beside this one among them ("Address already in use", seen in
-    a CI-like run)."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
-        low = int(fh.read().split()[0])
-    for port in random.sample(range(max(1024, low - 12000), low), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
+from ..conftest import free_port, Server, sync_ping
 
 
 def keygen(out: str, name: str) -> subprocess.CompletedProcess:
@@ -74,7 +55,7 @@ class Keys:
 def servers(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("auth"))
     keys = Keys(root)
-    ports = {k: _free_port() for k in ("insecure", "curve", "loopback")}
+    ports = {k: free_port() for k in ("insecure", "curve", "loopback")}
     specs = {
         "insecure": ("--frontend", f"tcp://0.0.0.0:{ports['insecure']}", "--insecure"),
         "curve": ("--frontend", f"tcp://0.0.0.0:{ports['curve']}", "--curve-secret-key",
@@ -138,7 +119,7 @@ def test_keygen_writes_a_key_pair(tmp_path):
 
 @pytest.mark.parametrize("frontend", ["tcp://0.0.0.0:{port}", "tcp://*:{port}"])
 def test_non_loopback_frontend_without_keys_refuses_to_start(frontend, tmp_path):
-    addr = frontend.format(port=_free_port())
+    addr = frontend.format(port=free_port())
     env = {k: v for k, v in os.environ.items() if not k.startswith("MMSCHED_")}
     out = subprocess.run([sys.executable, "-m", "mmsched", "serve", "--frontend", addr],
                          capture_output=True, text=True, timeout=60, env=env)

@@ -11,22 +11,17 @@ flags' all-gather, and what every rank agrees is the 500 message a client reads.
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
 
 from mmsched import consensus
 
+from ..conftest import free_port
+
 LONG = "ValueError: " + "ü" * 400        # 812 bytes of UTF-8: cut
 SNOW = "KeyError: '☃ schneemann'"           # non-ASCII, short: intact
 MANY = consensus.ERR_SLOTS + 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, out) -> None:
@@ -59,7 +54,7 @@ def verdicts() -> dict:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    mp.spawn(_rank, args=(_free_port(), out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(free_port(), out), nprocs=2, join=True)
     return dict(out.get() for _ in range(2))
 
 

@@ -14,7 +14,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,17 +28,11 @@ import zmq
 from mmsched.client import Client, raw
 from mmsched.producers import create_segment
 
-from ..conftest import Server, sync_ping
+from ..conftest import free_port, Server, sync_ping
 from ..conftest import pid_alive as alive
 
 SHM = "/dev/shm"
 STALL_S = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 
@@ -81,7 +74,7 @@ def gone(seg) -> bool:
 
 @pytest.fixture(scope="module")
 def drills(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     srv = Server("--tp", "2", "--collective-timeout", "20", "--stall-s", str(STALL_S), "--admin", str(port),
                  "--fault", "0:open:lo-*", "--fault", "1:materialize:fm-*", "--fault", "0:engine:le-*",
                  "--fault", "0:stall:ls-*", "--fault", "1:stall:cg-*",

@@ -14,7 +14,6 @@ import hashlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ import torch
 
 from mmsched.client import Client, Result, inline, shm
 
-from ..conftest import Server, sync_ping
+from ..conftest import free_port, Server, sync_ping
 from ..conftest import pid_alive as alive
 
 VENV_BIN = os.path.dirname(sys.executable)
@@ -409,12 +408,6 @@ async def test_follower_ignores_signals_and_launcher_sigterm_exits_zero(private_
 
 # ---------------------------------------------------------------- torchrun
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TorchrunServer(Server):
     """``torchrun --nproc-per-node 2 -m mmsched serve`` on a private ipc:// address."""
 
@@ -428,7 +421,7 @@ class TorchrunServer(Server):
         clean_env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **(env or {}))
         self.proc = subprocess.Popen(
             [os.path.join(VENV_BIN, "torchrun"), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-             "--master-port", str(_free_port()), "-m", "mmsched", "serve", "--frontend", self.addr, *args],
+             "--master-port", str(free_port()), "-m", "mmsched", "serve", "--frontend", self.addr, *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=clean_env, start_new_session=True)
 
 

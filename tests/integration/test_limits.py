@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import socket
 import time
 import urllib.request
 
@@ -25,7 +24,7 @@ import zmq
 from mmsched.client import Client, raw
 from mmsched.producers import Segment, create_segment
 
-from ..conftest import Server, sync_ping
+from ..conftest import free_port, Server, sync_ping
 
 MAX_INPUT_LEN = 16
 MAX_ITEMS = 2
@@ -39,15 +38,9 @@ STALL_S = 3  # how long a ``hold-*`` request keeps rank 0 inside its engine step
 ZMQ_HWM = 100
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     with Server(
         "--max-input-len", str(MAX_INPUT_LEN), "--max-items", str(MAX_ITEMS),
         "--max-item-bytes", str(MAX_ITEM_BYTES), "--max-request-bytes", str(MAX_REQUEST_BYTES),

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -21,13 +20,7 @@ import pytest
 from mmsched import loadgen
 from mmsched.loadgen import LoadSpec
 
-from ..conftest import bare_router, start_bare_router
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..conftest import bare_router, free_port, start_bare_router
 
 
 def server_results(port: int) -> dict[int, int]:
@@ -49,7 +42,7 @@ def check_clean(report) -> None:
 
 async def test_counts_match_server_metrics_with_a_fault_mix(start_server):
     """tp=1, closed loop, every transport and every fault kind: the report equals /metrics."""
-    port = _free_port()
+    port = free_port()
     srv = start_server("--admin", str(port), "--fault", "0:open:fail-*")
     spec = LoadSpec(frontend=srv.addr, concurrency=12, requests=300, duration=60, drain_s=20,
                     items=1, item_bytes=[512, 8192], transports=["pooled", "shm", "inline", "cuda_ipc"],
@@ -76,7 +69,7 @@ async def test_counts_match_server_metrics_with_a_fault_mix(start_server):
 
 async def test_sessions_open_loop_tp2_rank1_faults(start_server):
     """tp=2, open loop, 3-turn sessions (refs after the first turn), rank 1 failing ``fail-*`` rids."""
-    port = _free_port()
+    port = free_port()
     srv = start_server("--tp", "2", "--admin", str(port), "--fault", "1:open:fail-*")
     spec = LoadSpec(frontend=srv.addr, rate=400, requests=240, duration=30, drain_s=20, items=2,
                     item_bytes=[4096], transports=["pooled", "shm", "inline"], session_turns=3,

@@ -29,7 +29,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,7 +42,7 @@ from mmsched.devices import ShmDevice
 from mmsched.producers import IpcPool
 from mmsched.producers import ShmPool
 
-from ..conftest import sync_ping
+from ..conftest import free_port, sync_ping
 
 VENV_BIN = os.path.dirname(sys.executable)
 TORCHRUN = os.path.join(VENV_BIN, "torchrun")
@@ -80,12 +79,6 @@ pytestmark = pytest.mark.skipif(
 
 
 # ---------------------------------------------------------------- helpers
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def sha256_of(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()

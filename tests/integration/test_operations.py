@@ -22,15 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mmsched.client import Client, raw
 from mmsched.producers import create_segment
-from tests.conftest import PREFIX, Server, shm_segments, sync_ping
+from tests.conftest import free_port, PREFIX, Server, shm_segments, sync_ping
 
 # ---------------------------------------------------------------- helpers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_get(port: int, path: str, timeout: float = 2.0) -> tuple[int, str]:

@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import time
+
+from ..conftest import free_port
 
 RENDER_S = 0.5  # the leader's rendering of the first batch, slowed: the follower must not wait for it
 BIG = 1 << 20  # an inline feature bigger than the whole ring (8 slots of 64 KiB)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, ahead: bool, out, big: bool = False) -> None:
@@ -102,7 +97,7 @@ def _rank(rank: int, port: int, ahead: bool, out, big: bool = False) -> None:
 def _run(ahead: bool, big: bool = False) -> dict:
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, ahead, out, big)) for r in range(2)]
     for p in procs:
         p.start()

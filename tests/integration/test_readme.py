@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import sync_ping
+from tests.conftest import free_port, sync_ping
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -75,12 +74,6 @@ def container_engine() -> bool:
     if shutil.which("docker") and subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
         return True
     return shutil.which("podman") is not None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _descendants(pid: int) -> list[int]:

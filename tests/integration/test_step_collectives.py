@@ -13,17 +13,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 
 import numpy as np
 
+from ..conftest import free_port
+
 TEXT_ONLY = 2  # the broadcast + the engine's gather carrying the agreement (3 before EngineContext.gather)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class CountingGroup:
@@ -100,7 +95,7 @@ def _rank(rank: int, port: int, out) -> None:
 def test_a_text_only_batch_pays_one_all_gather_the_agreement_riding_in_the_engines():
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()

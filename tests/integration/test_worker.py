@@ -28,16 +28,10 @@ import pytest
 PIL = pytest.importorskip("PIL.Image")
 pytest.importorskip("transformers")
 
-from tests.conftest import Server  # noqa: E402
+from tests.conftest import free_port, Server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = "mmsched.engines.hf:HFEngine"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def png(color=(200, 30, 30), size=(40, 30)) -> bytes:

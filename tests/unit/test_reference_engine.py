@@ -60,7 +60,7 @@ def new_step(ranks: list[ReferenceEngine], requests: list[EngineRequest]) -> lis
     """Each rank's real ``step``, its all-gather replaced by the columns the others computed."""
     columns = []
     for e in reversed(ranks):  # followers first: rank 0 renders once it has every rank's columns
-        def gather(local, failed, e=e):  # every rank's rows, [world, n, width], as the gather returns them
+        def gather(local, failed):  # every rank's rows, [world, n, width], as the gather returns them
             columns.insert(0, local.clone())
             if len(ranks) == 1:
                 return local  # a group of one gathers nothing
