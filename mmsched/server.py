@@ -215,21 +215,41 @@ def _ignore_late_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _group_store(cfg: Config) -> tuple[dist.TCPStore, socket.socket]:
+    """The group's rendezvous store, served by the launcher from a socket it bound itself
+    (127.0.0.1, a port the kernel picked), with that socket: both held until the group exits.
+
+    Choosing a free port and leaving rank 0 to bind it later left a window in which the
+    port could be taken (by the local end of any outgoing connection: the kernel hands out
+    the same ephemeral range), and the group would fail to start; rank 0's store also
+    listened on every interface. The ranks find the store as torchrun's workers find their
+    agent's (``TORCHELASTIC_USE_AGENT_STORE``): all of them as clients."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], cfg.tp, is_master=True, wait_for_workers=False,
+                              master_listen_fd=sock.fileno(), timeout=timedelta(seconds=cfg.collective_timeout))
+    except BaseException:
+        sock.close()
+        raise
+    return store, sock
 
 
 def launch_group(cfg: Config, argv: list[str]) -> int:
     """Start cfg.tp rank processes of ``mmsched <argv>`` on this host and supervise them."""
     log.setup(-1, cfg.log_format, cfg.log_level, role="launcher")
-    if cfg.dist_init:
+    env = dict(os.environ)
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    store = None  # held until the group exits: the ranks were given its port
+    if cfg.dist_init:  # rank 0 serves the store on the address given
         hostport = cfg.dist_init.split("://", 1)[-1]
         host, _, port = hostport.rpartition(":")
     else:
-        host, port = "127.0.0.1", str(_free_port())
-    base = dict(os.environ, MASTER_ADDR=host, MASTER_PORT=port, WORLD_SIZE=str(cfg.tp),
+        store = _group_store(cfg)
+        host, port = "127.0.0.1", str(store[0].port)
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    base = dict(env, MASTER_ADDR=host, MASTER_PORT=port, WORLD_SIZE=str(cfg.tp),
                 MMSCHED_LAUNCHER_PID=str(os.getpid()))
     base.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs = [subprocess.Popen([sys.executable, "-m", "mmsched", *argv],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -273,3 +274,34 @@ def test_a_server_with_drills_says_so_at_start_up(drilled):
     """Item 12: ``--fault 5:open:x`` on a one-rank server was accepted without a word."""
     srv, _ = drilled
     assert "faults_active faults=0:open:zz-*,5:open:x-* stall_s=3.0 never_fire=5:open:x-*" in srv.logs(), srv.logs()
+
+
+def _tcp_listeners() -> dict[tuple[str, int], str]:
+    """Every listening TCP socket on this host (IPv4 and IPv6): (address, port) -> socket inode."""
+    out = {}
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as fh:
+            for line in fh.readlines()[1:]:
+                f = line.split()
+                addr, port = f[1].rsplit(":", 1)
+                if f[3] == "0A":  # LISTEN
+                    ip = ".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0)) if len(addr) == 8 else addr
+                    out[(ip, int(port, 16))] = f[9]
+    return out
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    links = (os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+    return {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
+
+
+def test_the_launcher_holds_the_rendezvous_port_on_loopback_only(start_server):
+    """tp=2: the port the ranks meet on is bound by the launcher before it starts them, and held
+    while they serve, on 127.0.0.1 alone. (A port picked free and bound later by rank 0 could be
+    taken in between, by the local end of any connection: the group would not start.)"""
+    srv = start_server("--tp", "2")
+    port = int(re.search(r"launched .*dist=127\.0\.0\.1:(\d+)", srv.logs()).group(1))
+    listeners = {addr: inode for addr, inode in _tcp_listeners().items() if addr[1] == port}
+    assert list(listeners) == [("127.0.0.1", port)], listeners
+    assert listeners[("127.0.0.1", port)] in _socket_inodes(srv.proc.pid), "not the launcher's socket"
+    assert sync_ping(srv.addr)
