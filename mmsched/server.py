@@ -239,17 +239,15 @@ def _group_store(cfg: Config) -> tuple[dist.TCPStore, socket.socket]:
 def launch_group(cfg: Config, argv: list[str]) -> int:
     """Start cfg.tp rank processes of ``mmsched <argv>`` on this host and supervise them."""
     log.setup(-1, cfg.log_format, cfg.log_level, role="launcher")
-    env = dict(os.environ)
-    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    store = None  # held until the group exits: the ranks were given its port
+    held = ()  # the launcher's store and its socket, kept until the group exits: the ranks have its port
     if cfg.dist_init:  # rank 0 serves the store on the address given
         hostport = cfg.dist_init.split("://", 1)[-1]
         host, _, port = hostport.rpartition(":")
     else:
-        store = _group_store(cfg)
-        host, port = "127.0.0.1", str(store[0].port)
-        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    base = dict(env, MASTER_ADDR=host, MASTER_PORT=port, WORLD_SIZE=str(cfg.tp),
+        held = _group_store(cfg)
+        host, port = "127.0.0.1", str(held[0].port)
+    base = dict(os.environ, MASTER_ADDR=host, MASTER_PORT=port, WORLD_SIZE=str(cfg.tp),
+                TORCHELASTIC_USE_AGENT_STORE=str(bool(held)),  # torch reads "True" alone: every rank a client
                 MMSCHED_LAUNCHER_PID=str(os.getpid()))
     base.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs = [subprocess.Popen([sys.executable, "-m", "mmsched", *argv],

@@ -124,6 +124,18 @@ def sync_ping(addr: str, timeout: float = 1.0, server_key: str | None = None,
         s.close(linger=0)
 
 
+def fd_targets(pid: int | str = "self") -> list[str]:
+    """What each descriptor of process ``pid`` points at (``/dev/shm/NAME``, ``socket:[INODE]``,
+    ...); one closed while we look is skipped."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    return out
+
+
 def free_port() -> int:
     """A free TCP port below the kernel's ephemeral range, for a server or a gloo store a test
     starts: a port ``bind(0)`` hands out can be taken, before the server binds it, by the local

@@ -19,7 +19,7 @@ import torch
 from mmsched.client import Client, inline, pooled, raw, shm
 from mmsched.producers import ShmPool
 from mmsched.transport.shm_pool import PoolCache
-from tests.conftest import Server
+from tests.conftest import Server, fd_targets
 from tests.integration.lifecycle import replace_segment
 
 CACHE_BOUND = PoolCache.LIMIT  # the idle pools a rank keeps open
@@ -61,16 +61,8 @@ def payload(i: int) -> bytes:
 
 
 def shm_fds(pid: int) -> list[str]:
-    """What the /dev/shm descriptors of a rank point at (one closed while we look is skipped)."""
-    out = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:
-            continue
-        if target.startswith("/dev/shm/"):
-            out.append(target)
-    return out
+    """What the /dev/shm descriptors of a rank point at."""
+    return [t for t in fd_targets(pid) if t.startswith("/dev/shm/")]
 
 
 def sha(b: bytes) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from mmsched.client import Client, raw, shm
 from mmsched.producers import create_segment
-from tests.conftest import Server, sync_ping
+from tests.conftest import Server, fd_targets, sync_ping
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MMSCHED = os.path.join(os.path.dirname(sys.executable), "mmsched")
@@ -291,8 +291,7 @@ def _tcp_listeners() -> dict[tuple[str, int], str]:
 
 
 def _socket_inodes(pid: int) -> set[str]:
-    links = (os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
-    return {link[len("socket:["):-1] for link in links if link.startswith("socket:[")}
+    return {t[len("socket:["):-1] for t in fd_targets(pid) if t.startswith("socket:[")}
 
 
 def test_the_launcher_holds_the_rendezvous_port_on_loopback_only(start_server):

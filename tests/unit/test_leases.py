@@ -24,6 +24,7 @@ from mmsched.segments import shm_path
 from mmsched.transport import Transports
 from mmsched.transport.cuda_ipc import Attachments, CudaIpcFeature
 from mmsched.transport.shm_pool import PoolCache, PooledFeature
+from tests.conftest import fd_targets
 from tests.integration.lifecycle import replace_segment
 
 NO_FAULTS = Faults([], 0)
@@ -34,14 +35,7 @@ LIMIT = 2
 
 def fds_into(prefix: str) -> int:
     """Descriptors this process holds on files named with ``prefix`` (unlinked ones included)."""
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        n += target.startswith(f"/dev/shm/{prefix}")
-    return n
+    return sum(t.startswith(f"/dev/shm/{prefix}") for t in fd_targets())
 
 
 class CacheMachine(RuleBasedStateMachine):
