@@ -51,6 +51,11 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     try:
         group, topology = _join_group(cfg, rank, world)
     except Exception as exc:
+        if rank == 0 and _store_port_taken(exc):  # a conflict like a taken frontend: exit 2 now, and the
+            event("config_error", logging.ERROR,  # launcher stops the followers (they would retry for 30 s+)
+                  error=f"dist_init: {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} is in use: "
+                        "rank 0 serves the group's rendezvous store there")
+            return 2
         event("group_init_failed", logging.ERROR, error=describe(exc))
         return 3
     _announce(cfg, rank, world, topology)
@@ -63,6 +68,7 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     except Exception as exc:  # the engine's group, or the agreement on it, failed
         event("group_init_failed", logging.ERROR, error=describe(exc))
         return 3
+    _outlive_launcher(rank)  # the group and its engine are up
     lane = make_lane(cfg)
     runner = BatchRunner(group, engine, faults, unlinks=(rank == 0),
                          sessions=SessionStore(cfg.session_max_bytes, cfg.session_max_count, cfg.session_max_features),
@@ -106,7 +112,7 @@ def _prepare_process(cfg: Config, rank: int) -> None:
     if rank > 0:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _die_with_launcher()
+    _die_with_launcher(rank)
 
 
 def _join_group(cfg: Config, rank: int, world: int):
@@ -195,15 +201,35 @@ def _run_loop(cfg: Config, runner: BatchRunner, lane: Lane, rank: int, world: in
     return uvloop.run(main())
 
 
-def _die_with_launcher() -> None:
-    """A rank started by our launcher drains (leader) or follows if the launcher dies."""
+def _die_with_launcher(rank: int) -> None:
+    """A rank started by our launcher gets a signal when the launcher dies: the leader SIGTERM
+    (it drains), a follower SIGKILL until its group and engine are up (``_outlive_launcher``). A follower
+    ignores SIGTERM (the leader decides), so without it a follower whose launcher was killed
+    during start-up retried the gone rendezvous store for a minute or more, and on a fixed
+    ``dist_init`` port could meet a restarted group's."""
     parent = os.environ.get("MMSCHED_LAUNCHER_PID")
     if not parent or not sys.platform.startswith("linux"):
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != int(parent):
-        os.kill(os.getpid(), signal.SIGTERM)
+    sig = signal.SIGTERM if rank == 0 else signal.SIGKILL
+    _set_death_signal(sig)
+    if os.getppid() != int(parent):  # the launcher is gone already
+        os.kill(os.getpid(), sig)
+
+
+def _outlive_launcher(rank: int) -> None:
+    """A follower in a formed group stops when the leader says so (the leader drains when the
+    launcher dies, and its followers must finish the batches in flight) or its group breaks."""
+    if rank > 0 and os.environ.get("MMSCHED_LAUNCHER_PID") and sys.platform.startswith("linux"):
+        _set_death_signal(0)
+
+
+def _set_death_signal(sig: int) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+
+
+def _store_port_taken(exc: BaseException) -> bool:
+    """Rank 0 could not bind the rendezvous store's port (torch says so in its message alone)."""
+    return isinstance(exc, dist.DistNetworkError) and "failed to listen" in str(exc) and "EADDRINUSE" in str(exc)
 
 
 def _ignore_late_signals() -> None:

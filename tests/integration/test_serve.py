@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -304,3 +305,89 @@ def test_the_launcher_holds_the_rendezvous_port_on_loopback_only(start_server):
     assert list(listeners) == [("127.0.0.1", port)], listeners
     assert listeners[("127.0.0.1", port)] in _socket_inodes(srv.proc.pid), "not the launcher's socket"
     assert sync_ping(srv.addr)
+
+
+def test_a_taken_dist_init_port_is_a_config_error_at_once(tmp_path):
+    """A port rank 0 cannot serve the rendezvous store on is a start-up conflict, like a taken
+    frontend: exit 2 within seconds. It was exit 3 after the followers' retries ran out
+    (``collective_timeout`` + 5 s, 35 s by default)."""
+    import socket as sk
+
+    with sk.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _serve("--tp", "2", "--frontend", f"ipc://{tmp_path}/m.sock", "--dist-init", f"tcp://127.0.0.1:{port}")
+        t0 = time.monotonic()
+        try:
+            _, err = proc.communicate(timeout=25)
+        except subprocess.TimeoutExpired:
+            for pid in [*_children(proc.pid), proc.pid]:  # the ranks have sessions of their own
+                os.kill(pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            raise AssertionError(f"still starting after 25 s on a taken port:\n{err[-2000:]}") from None
+    assert proc.returncode == 2, (proc.returncode, err[-2000:])
+    assert f"dist_init: 127.0.0.1:{port} is in use" in err and "Traceback" not in err, err[-2000:]
+    assert time.monotonic() - t0 < 25
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as fh:
+        return [int(p) for p in fh.read().split()]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (the launcher is gone: init reaps its ranks when it gets to them)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("when", ["starting", "serving"])
+def test_the_ranks_stop_when_the_launcher_is_killed(tmp_path, when):
+    """Starting: a follower ignores SIGTERM (the leader decides when it stops), so when the
+    launcher was killed while the group was still starting, the follower lived on, retrying the
+    gone rendezvous store for a minute or more (and, on a fixed ``--dist-init`` port, could meet
+    a restarted group's); now it dies with the launcher until its group is up. Serving: the
+    leader drains and stops its followers, which must live for that. No batch ring: a leader
+    killed between creating and unlinking it would leave the segment to the sweep."""
+    import msgpack
+    import zmq
+
+    addr = f"ipc://{tmp_path}/m.sock"
+    proc = _serve("--tp", "2", "--frontend", addr, "--no-batch-ring", "--fault", "1:stall:hold-*", "--stall-s", "2")
+    ranks: list[int] = []
+    client = zmq.Context.instance().socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks := _children(proc.pid)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the launcher never started two ranks"
+            time.sleep(0.02)
+        if when == "serving":  # a request in flight, rank 1 inside its step (2 s), when the launcher dies
+            assert sync_ping(addr, 60) is not None, "the group never served"
+            client.connect(addr)
+            client.send(msgpack.packb({"v": 1, "type": "embed", "rid": "hold-1", "input_ids": [1, 2, 3]}))
+            time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()  # (not communicate: the ranks hold its pipes open while they live)
+        deadline = time.monotonic() + 10
+        while any(map(_running, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_running, ranks)), f"ranks still running 10 s after the launcher died: {ranks}"
+        if when == "serving":
+            assert client.poll(1000), "no answer to the request in flight"
+            reply = msgpack.unpackb(client.recv_multipart()[0])
+            assert (reply["rid"], reply["status"]) == ("hold-1", 200), reply
+    finally:
+        client.close()
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        err = proc.communicate()[1]
+    if when == "serving":
+        assert "[rank0] stopped" in err and "group_broken" not in err, err[-3000:]
