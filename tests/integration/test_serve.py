@@ -17,7 +17,7 @@ import torch
 
 from mmsched.client import Client, raw, shm
 from mmsched.producers import create_segment
-from tests.conftest import Server, fd_targets, sync_ping
+from tests.conftest import Server, fd_targets, pid_alive, sync_ping
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MMSCHED = os.path.join(os.path.dirname(sys.executable), "mmsched")
@@ -336,15 +336,6 @@ def _children(pid: int) -> list[int]:
         return [int(p) for p in fh.read().split()]
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (the launcher is gone: init reaps its ranks when it gets to them)."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("when", ["starting", "serving"])
 def test_the_ranks_stop_when_the_launcher_is_killed(tmp_path, when):
     """Starting: a follower ignores SIGTERM (the leader decides when it stops), so when the
@@ -374,9 +365,9 @@ def test_the_ranks_stop_when_the_launcher_is_killed(tmp_path, when):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()  # (not communicate: the ranks hold its pipes open while they live)
         deadline = time.monotonic() + 10
-        while any(map(_running, ranks)) and time.monotonic() < deadline:
+        while any(map(pid_alive, ranks)) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(map(_running, ranks)), f"ranks still running 10 s after the launcher died: {ranks}"
+        assert not any(map(pid_alive, ranks)), f"ranks still running 10 s after the launcher died: {ranks}"
         if when == "serving":
             assert client.poll(1000), "no answer to the request in flight"
             reply = msgpack.unpackb(client.recv_multipart()[0])
