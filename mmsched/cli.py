@@ -119,7 +119,8 @@ def _serve(cfg: config_mod.Config, argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"mmsched: config error: {exc}", file=sys.stderr)
         return 2
-    from .server import launch_group, run_rank  # imports torch: only once the config is known good
+    from .launcher import launch_group  # these import torch: only once the config is known good
+    from .server import run_rank
 
     if placed is not None:
         rank, world = placed
