@@ -210,8 +210,10 @@ async def test_big_batch_arrives_then_a_stopped_follower_breaks_the_group(privat
             os.kill(pids[1], signal.SIGCONT)
     assert r.status == 500 and "broken" in r.message, r
     assert took < timeout + 3, took
-    # the ring's wait or the lane's deadline around it, whichever runs out first, broke the group
-    assert re.search(r"group_broken.*(ring reader 0|deadline)", srv.logs()), srv.logs()[-3000:]
+    # whichever ran out first broke the group: the ring's wait for reader 0, the lane's deadline,
+    # or (when the batch fit the ring's free slots, so the leader went on to the all-gather)
+    # gloo's own timeout, set to the same collective_timeout (a clean-clone run on a busy host)
+    assert re.search(r"group_broken.*(ring reader 0|deadline|Timed out waiting)", srv.logs()), srv.logs()[-3000:]
     assert srv.proc.wait(timeout=timeout + 10) != 0
     wait_until(lambda: not any(alive(p) for p in pids), 10, "every rank process exits")
 
