@@ -196,7 +196,7 @@ async def test_big_batch_arrives_then_a_stopped_follower_breaks_the_group(privat
     pids = srv.rank_pids()
     # the leader unlinked its ring once the follower mapped it: a kill -9 from now on leaves nothing
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"{PREFIX}{pids[0]}_ring_")]
-    big = feature(70, shape=(512, 512))  # 1 MiB inline: the batch spans the ring twice
+    big = feature(70, shape=(512, 512))  # 1 MiB inline: the batch spans two of the ring's slots
     async with Client(srv.addr) as c:
         r = await c.request("embed", [1, 2], [inline(big)], rid="big-1", want_digest=True, timeout=60)
         assert r.status == 200, r
