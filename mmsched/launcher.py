@@ -29,20 +29,26 @@ def die_with_launcher(rank: int) -> None:
     ignores SIGTERM (the leader decides), so without it a follower whose launcher was killed
     during start-up retried the gone rendezvous store for a minute or more, and on a fixed
     ``dist_init`` port could meet a restarted group's."""
-    parent = os.environ.get("MMSCHED_LAUNCHER_PID")
-    if not parent or not sys.platform.startswith("linux"):
+    parent = _launcher_pid()
+    if parent is None:
         return
     sig = signal.SIGTERM if rank == 0 else signal.SIGKILL
     _set_death_signal(sig)
-    if os.getppid() != int(parent):  # the launcher is gone already
+    if os.getppid() != parent:  # the launcher is gone already
         os.kill(os.getpid(), sig)
 
 
 def outlive_launcher(rank: int) -> None:
     """A follower in a formed group stops when the leader says so (the leader drains when the
     launcher dies, and its followers must finish the batches in flight) or its group breaks."""
-    if rank > 0 and os.environ.get("MMSCHED_LAUNCHER_PID") and sys.platform.startswith("linux"):
+    if rank > 0 and _launcher_pid() is not None:
         _set_death_signal(0)
+
+
+def _launcher_pid() -> int | None:
+    """Our launcher's pid when it started this rank on Linux (PR_SET_PDEATHSIG is Linux's)."""
+    parent = os.environ.get("MMSCHED_LAUNCHER_PID")
+    return int(parent) if parent and sys.platform.startswith("linux") else None
 
 
 def _set_death_signal(sig: int) -> None:

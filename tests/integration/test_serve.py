@@ -18,6 +18,7 @@ import torch
 from mmsched.client import Client, raw, shm
 from mmsched.producers import create_segment
 from tests.conftest import Server, fd_targets, pid_alive, sync_ping
+from .lifecycle import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MMSCHED = os.path.join(os.path.dirname(sys.executable), "mmsched")
@@ -364,10 +365,7 @@ def test_the_ranks_stop_when_the_launcher_is_killed(tmp_path, when):
             time.sleep(0.5)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()  # (not communicate: the ranks hold its pipes open while they live)
-        deadline = time.monotonic() + 10
-        while any(map(pid_alive, ranks)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(map(pid_alive, ranks)), f"ranks still running 10 s after the launcher died: {ranks}"
+        wait_until(lambda: not any(map(pid_alive, ranks)), 10, f"ranks {ranks} gone after the launcher died")
         if when == "serving":
             assert client.poll(1000), "no answer to the request in flight"
             reply = msgpack.unpackb(client.recv_multipart()[0])
