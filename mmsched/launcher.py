@@ -1,6 +1,7 @@
 """The tp=N launcher: it serves the ranks' rendezvous store, starts them on this host and
-supervises them. If one exits, the rest get the collective timeout plus a few seconds to
-notice and stop, then are killed, and the launcher exits non-zero. Here too is the ranks'
+supervises them. If one fails, the rest get the collective timeout plus a few seconds to
+notice and stop (two seconds if it was the leader: its followers serve nobody), then are
+killed, and the launcher exits non-zero. Here too is the ranks'
 side of that bond: how a rank learns that its launcher died.
 """
 
@@ -85,6 +86,23 @@ def _group_store(cfg: Config) -> tuple[dist.TCPStore, socket.socket]:
     return store, sock
 
 
+LEADERLESS_GRACE_S = 2.0  # followers of a leader that failed: time to notice and log it, then killed
+
+
+def _grace(codes: list[int | None], collective_timeout: float) -> float:
+    """Seconds the ranks still running get after the first failure, before they are killed.
+
+    A rank that refused its config (exit 2) ran nothing: nobody to wait for. A leader that
+    failed leaves followers that serve nobody (only the leader answers clients); a follower
+    still starting would otherwise wait out the rendezvous timeout, 30 s by default. Else
+    the leader may still be answering: it gets the collective timeout and a few seconds."""
+    if 2 in codes:
+        return 0.0
+    if codes[0] not in (None, 0):
+        return LEADERLESS_GRACE_S
+    return collective_timeout + 5
+
+
 def launch_group(cfg: Config, argv: list[str]) -> int:
     """Start cfg.tp rank processes of ``mmsched <argv>`` on this host and supervise them."""
     log.setup(-1, cfg.log_format, cfg.log_level, role="launcher")
@@ -121,8 +139,7 @@ def launch_group(cfg: Config, argv: list[str]) -> int:
         if failed_at is None and any(c not in (None, 0) for c in codes):
             failed_at = time.monotonic()
             event("rank_exited", logging.ERROR, codes=",".join(str(c) for c in codes))
-        refused = 2 in codes  # a rank refused its config at start: nothing ran, nobody to wait for
-        if failed_at is not None and (refused or time.monotonic() - failed_at > cfg.collective_timeout + 5):
+        if failed_at is not None and time.monotonic() - failed_at > _grace(codes, cfg.collective_timeout):
             for p in procs:
                 if p.poll() is None:
                     p.kill()

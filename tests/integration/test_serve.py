@@ -380,3 +380,32 @@ def test_the_ranks_stop_when_the_launcher_is_killed(tmp_path, when):
         err = proc.communicate()[1]
     if when == "serving":
         assert "[rank0] stopped" in err and "group_broken" not in err, err[-3000:]
+
+
+def test_a_leader_killed_during_start_up_takes_its_followers_down_at_once(tmp_path):
+    """Only the leader answers clients, so a follower whose leader failed serves nobody. Yet
+    the launcher gave it ``collective_timeout`` + 5 s, and a follower still starting waited
+    out the rendezvous store's 30 s for a leader that would never come: the group took 31 s
+    to exit, a supervisor that long to restart it. Now the followers get two seconds."""
+    proc = _serve("--tp", "2", "--frontend", f"ipc://{tmp_path}/m.sock")
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks := _children(proc.pid)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the launcher never started two ranks"
+            time.sleep(0.02)
+        os.kill(ranks[0], signal.SIGKILL)  # rank 0, before it served the group anything
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - killed
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGKILL, err[-2000:]
+    assert "rank_exited codes=-9," in err and "group_exited codes=-9," in err, err[-2000:]
+    assert took < 10, f"the group took {took:.1f} s to exit after its leader was killed"
+    assert not any(map(pid_alive, ranks))
