@@ -105,6 +105,9 @@ def _config(args: argparse.Namespace, cfg: config_mod.Config) -> int:
 
 def _serve(cfg: config_mod.Config, argv: list[str]) -> int:
     """Check what the leader binds and the engine spec before any rank starts, then run the rank(s)."""
+    # torch's C++ warnings are lines of its own in our log (one per connection reset on the
+    # rendezvous port, which any local process can cause); torch reads this once, as it loads
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from .admin import check_admin
     from .auth import check_frontend
 

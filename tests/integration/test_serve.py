@@ -308,6 +308,35 @@ def test_the_launcher_holds_the_rendezvous_port_on_loopback_only(start_server):
     assert sync_ping(srv.addr)
 
 
+def test_resets_on_the_rendezvous_port_leave_the_json_log_json(start_server):
+    """Each connection reset on the store's port made torch print a C++ warning line of its
+    own to the launcher's stderr: any local process could fill a JSON log with lines that are
+    not JSON. ``serve`` now starts torch with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set."""
+    import json
+    import socket as sk
+    import struct
+
+    srv = start_server("--tp", "2", "--log-format", "json")
+    port = int(re.search(r'"dist": "127\.0\.0\.1:(\d+)"', srv.logs()).group(1))
+    for _ in range(3):
+        with sk.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"\xff" * 64)
+            s.setsockopt(sk.SOL_SOCKET, sk.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    assert sync_ping(srv.addr)
+    assert srv.stop() == 0
+    lines = [line for line in srv.logs().splitlines() if line.strip()]
+    not_json = [line for line in lines if not _is_json(line, json)]
+    assert lines and not not_json, not_json[:5]
+
+
+def _is_json(line: str, json) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
 def test_a_taken_dist_init_port_is_a_config_error_at_once(tmp_path):
     """A port rank 0 cannot serve the rendezvous store on is a start-up conflict, like a taken
     frontend: exit 2 within seconds. It was exit 3 after the followers' retries ran out
