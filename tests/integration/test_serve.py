@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -312,7 +313,6 @@ def test_resets_on_the_rendezvous_port_leave_the_json_log_json(start_server):
     """Each connection reset on the store's port made torch print a C++ warning line of its
     own to the launcher's stderr: any local process could fill a JSON log with lines that are
     not JSON. ``serve`` now starts torch with ``TORCH_CPP_LOG_LEVEL=ERROR`` unless it is set."""
-    import json
     import socket as sk
     import struct
 
@@ -325,11 +325,11 @@ def test_resets_on_the_rendezvous_port_leave_the_json_log_json(start_server):
     assert sync_ping(srv.addr)
     assert srv.stop() == 0
     lines = [line for line in srv.logs().splitlines() if line.strip()]
-    not_json = [line for line in lines if not _is_json(line, json)]
+    not_json = [line for line in lines if not _is_json(line)]
     assert lines and not not_json, not_json[:5]
 
 
-def _is_json(line: str, json) -> bool:
+def _is_json(line: str) -> bool:
     try:
         json.loads(line)
     except ValueError:
