@@ -1,8 +1,8 @@
 """The tp=N launcher: it serves the ranks' rendezvous store, starts them on this host and
 supervises them. If one fails, the rest get the collective timeout plus a few seconds to
 notice and stop (two seconds if it was the leader: its followers serve nobody), then are
-killed, and the launcher exits non-zero. Here too is the ranks'
-side of that bond: how a rank learns that its launcher died.
+killed, and the launcher exits non-zero. Here too is the ranks' side of that bond: how a
+rank learns that its launcher died.
 """
 
 from __future__ import annotations

@@ -366,6 +366,24 @@ def _children(pid: int) -> list[int]:
         return [int(p) for p in fh.read().split()]
 
 
+def _two_ranks(proc: subprocess.Popen) -> list[int]:
+    """The pids of the two ranks the launcher ``proc`` starts, as soon as both exist."""
+    deadline = time.monotonic() + 60
+    while len(ranks := _children(proc.pid)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, "the launcher never started two ranks"
+        time.sleep(0.02)
+    return ranks
+
+
+def _kill_group(proc: subprocess.Popen, ranks: list[int]) -> None:
+    """Whatever is left of a launcher and its ranks (each rank runs in a session of its own)."""
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("when", ["starting", "serving"])
 def test_the_ranks_stop_when_the_launcher_is_killed(tmp_path, when):
     """Starting: a follower ignores SIGTERM (the leader decides when it stops), so when the
@@ -383,10 +401,7 @@ def test_the_ranks_stop_when_the_launcher_is_killed(tmp_path, when):
     client = zmq.Context.instance().socket(zmq.DEALER)
     client.setsockopt(zmq.LINGER, 0)
     try:
-        deadline = time.monotonic() + 60
-        while len(ranks := _children(proc.pid)) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "the launcher never started two ranks"
-            time.sleep(0.02)
+        ranks = _two_ranks(proc)
         if when == "serving":  # a request in flight, rank 1 inside its step (2 s), when the launcher dies
             assert sync_ping(addr, 60) is not None, "the group never served"
             client.connect(addr)
@@ -401,11 +416,7 @@ def test_the_ranks_stop_when_the_launcher_is_killed(tmp_path, when):
             assert (reply["rid"], reply["status"]) == ("hold-1", 200), reply
     finally:
         client.close()
-        for pid in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill_group(proc, ranks)
         err = proc.communicate()[1]
     if when == "serving":
         assert "[rank0] stopped" in err and "group_broken" not in err, err[-3000:]
@@ -419,20 +430,14 @@ def test_a_leader_killed_during_start_up_takes_its_followers_down_at_once(tmp_pa
     proc = _serve("--tp", "2", "--frontend", f"ipc://{tmp_path}/m.sock")
     ranks: list[int] = []
     try:
-        deadline = time.monotonic() + 60
-        while len(ranks := _children(proc.pid)) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "the launcher never started two ranks"
-            time.sleep(0.02)
+        ranks = _two_ranks(proc)
         os.kill(ranks[0], signal.SIGKILL)  # rank 0, before it served the group anything
         killed = time.monotonic()
         _, err = proc.communicate(timeout=30)
         took = time.monotonic() - killed
     finally:
-        for pid in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        _kill_group(proc, ranks)
+        if proc.returncode is None:
             proc.communicate()
     assert proc.returncode == 128 + signal.SIGKILL, err[-2000:]
     assert "rank_exited codes=-9," in err and "group_exited codes=-9," in err, err[-2000:]
