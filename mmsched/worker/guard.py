@@ -27,12 +27,17 @@ class Guard:
         self.waiting: set = set()  # connections whose first request has not reached a handler
 
     def __call__(self) -> asyncio.Protocol:
-        if len(self.server.connections) >= self.max_connections:
+        if self._num_open() >= self.max_connections:
             return _Refuse()
         proto = self.server()
         self.waiting.add(proto)
         asyncio.get_running_loop().call_later(self.header_timeout, self._expire, proto)
         return proto
+
+    def _num_open(self) -> int:
+        """aiohttp keeps a closed connection in ``connections`` until its task has ended, a few
+        loop turns after the peer saw the close: a client that reconnected at once was told 503."""
+        return sum(1 for proto in self.server.connections if proto.connected)
 
     def _expire(self, proto) -> None:
         if proto in self.waiting:
