@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from .. import client as mm
+from ..log import event
 from .liveness import Liveness, MmschedDown
 from .prep import BadRequest, Preprocessor
 
@@ -72,6 +73,9 @@ class Worker:
                 return error(408, "request body not received in time")
             except web.HTTPRequestEntityTooLarge:
                 return error(413, f"body larger than {self.max_body} bytes")
+            except ConnectionResetError:  # the caller hung up mid-body: nothing sent to mmsched, nobody to answer
+                event("caller_gone", stage="body", peer=request.remote)
+                raise asyncio.CancelledError from None  # as aiohttp ends a handler whose caller went away
             rid = request.headers.get("X-Request-Id") or f"chatcmpl-{uuid.uuid4().hex}"
             if not RID.fullmatch(rid):
                 return error(400, "X-Request-Id: 1-128 of [A-Za-z0-9._:-]")

@@ -255,6 +255,26 @@ def test_slow_headers_are_cut_off_and_open_connections_are_bounded(stack):
             s.close()
 
 
+def test_callers_that_hang_up_mid_body_are_one_quiet_log_line_each(stack):
+    """A caller gone before its body arrived is not the worker's error: no ERROR, no traceback
+    (outside testing: 20 such callers wrote 20 tracebacks to the worker's log), still served."""
+    worker = stack[2][1]
+    body = json.dumps(chat(png())).encode()
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    logged = Path(worker.log.name).stat().st_size
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", worker.port)) as s:
+            s.sendall(head + body[: len(body) // 2])  # and hang up
+    status, answer = post(worker.port, chat(png()))
+    assert status == 200, answer
+    with open(worker.log.name, "rb") as f:
+        f.seek(logged)
+        new = f.read().decode()
+    assert "Traceback" not in new and " E [worker]" not in new, new
+    assert new.count("caller_gone") == 5, new
+
+
 def test_with_mmsched_down_a_chat_is_a_503_at_once(tmp_path):
     """A worker whose mmsched never answers: after its pings miss, chats are 503 without waiting --timeout."""
     worker = Worker(SimpleNamespace(addr=f"ipc://{tmp_path}/nobody.sock"), tmp_path, "--timeout", "60")
