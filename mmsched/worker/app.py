@@ -6,7 +6,8 @@ decoding images) on a few threads off the event loop. mmsched's statuses pass th
 (400, 500 naming the failed ranks, 503); while mmsched is known down (``Liveness``) a
 chat is a 503 at once, and one in flight when it goes down is a 503 too. A caller who
 goes away before the answer gets its request aborted inside mmsched. Every error,
-unexpected ones included, is the JSON error shape.
+unexpected ones included, is the JSON error shape (only HTTP that aiohttp cannot parse gets
+aiohttp's plain-text 400 before any handler runs).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class Worker:
                 return error(408, "request body not received in time")
             except web.HTTPRequestEntityTooLarge:
                 return error(413, f"body larger than {self.max_body} bytes")
+            except web.RequestPayloadError as exc:  # not what its headers say (a gzip body that is not gzip)
+                return error(400, f"request body could not be read: {exc.__cause__ or exc.message}")
             except ConnectionResetError:  # the caller hung up mid-body: nothing sent to mmsched, nobody to answer
                 event("caller_gone", stage="body", peer=request.remote)
                 raise asyncio.CancelledError from None  # as aiohttp ends a handler whose caller went away

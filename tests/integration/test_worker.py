@@ -275,6 +275,38 @@ def test_callers_that_hang_up_mid_body_are_one_quiet_log_line_each(stack):
     assert new.count("caller_gone") == 5, new
 
 
+def test_bodies_and_messages_aiohttp_cannot_decode_are_400s_without_tracebacks(stack):
+    """Outside testing: a gzip body that is not gzip was a 500 "internal error", and malformed
+    HTTP (a chunk size that is not hex) an ERROR with a traceback in the worker's log."""
+    worker = stack[2][1]
+    logged = Path(worker.log.name).stat().st_size
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+
+    def send(raw: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", worker.port)) as s:
+            s.settimeout(30)
+            s.sendall(raw)
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+            return out
+
+    for coding in (b"gzip", b"deflate"):
+        reply = send(head + b"Content-Encoding: %s\r\nContent-Length: 10\r\n\r\n0123456789" % coding)
+        status, _, rest = reply.partition(b"\r\n\r\n")[0].partition(b"\r\n")
+        assert status.startswith(b"HTTP/1.1 400"), reply
+        assert b"application/json" in rest and b"body could not be read" in reply, reply
+    reply = send(head + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n")
+    assert reply.split(b" ", 2)[1] == b"400", reply  # aiohttp's own answer to broken HTTP
+    status, answer = post(worker.port, chat(png()))
+    assert status == 200, answer
+    with open(worker.log.name, "rb") as f:
+        f.seek(logged)
+        new = f.read().decode()
+    assert "Traceback" not in new and " E [worker]" not in new and "Error handling" not in new, new
+    assert new.count("bad_http_request") >= 1, new  # the broken chunk's (aiohttp may log each bad body too)
+
+
 def test_with_mmsched_down_a_chat_is_a_503_at_once(tmp_path):
     """A worker whose mmsched never answers: after its pings miss, chats are 503 without waiting --timeout."""
     worker = Worker(SimpleNamespace(addr=f"ipc://{tmp_path}/nobody.sock"), tmp_path, "--timeout", "60")
