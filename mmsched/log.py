@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+from .errors import describe
+
 logger = logging.getLogger("mmsched")
 
 
@@ -59,3 +61,23 @@ def setup(rank: int, fmt: str = "text", level: str = "info", role: str | None = 
     logger.handlers[:] = [handler]
     logger.setLevel(level.upper())
     logger.propagate = False
+    # other libraries' warnings and errors (aiohttp's, asyncio's) in the same format: without a
+    # handler they went out through logging's last resort, plain text in a JSON log
+    logging.root.handlers[:] = [handler]
+    logging.root.setLevel(max(logging.WARNING, logger.level))
+    logging.getLogger("aiohttp.server").addFilter(_client_parse_error)
+
+
+def _client_parse_error(record: logging.LogRecord) -> bool:
+    """aiohttp answers HTTP it cannot parse (a chunk size that is not hex, a body that is not
+    what its Content-Encoding says) with a 400 and logs it as an ERROR with a traceback: any
+    client could fill the log so. Each becomes one ``bad_http_request`` info line instead."""
+    from aiohttp.http_exceptions import HttpProcessingError  # loaded: it is aiohttp logging
+    from aiohttp.web_protocol import RequestPayloadError
+
+    exc = record.exc_info[1] if record.exc_info else None
+    cause = exc.__cause__ if isinstance(exc, RequestPayloadError) else exc  # a body, logged again after its 400
+    if isinstance(cause, HttpProcessingError) and 400 <= (cause.code or 0) < 500:
+        event("bad_http_request", peer=record.args[0] if record.args else None, error=describe(exc))
+        return False
+    return True

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 import sys
 
@@ -56,11 +55,10 @@ async def _serve(args: argparse.Namespace) -> int:
     from ..log import event
     from ..producers.shm_pool import ShmPool
     from .app import Worker
-    from .guard import Guard, QuietParseErrors
+    from .guard import Guard
     from .prep import Preprocessor
 
     log.setup(-1, role="worker")
-    logging.getLogger("aiohttp.server").addFilter(QuietParseErrors())
     prep = Preprocessor(args.model or str(SHIPPED), max_new_tokens=args.max_tokens, max_images=args.max_images,
                         max_pixels=int(args.max_pixels * 1e6))
     host, _, port = args.listen.rpartition(":")

@@ -1,28 +1,19 @@
-"""Slow and malformed clients: a deadline for a connection's request headers, a bound on open
-connections, and one log line for HTTP that aiohttp could not parse.
+"""Slow clients: a deadline for a connection's request headers, and a bound on open connections.
 
 aiohttp has neither (its ``keepalive_timeout`` covers only idle time between requests,
 and a handler runs only once the headers are in), so a client sending headers a byte at a
 time held a connection as long as it liked, and a hundred such connections never counted
 against ``--max-concurrency``. The guard wraps aiohttp's protocol factory: a connection
 past ``max_connections`` is answered 503 and closed, and one whose first request has not
-reached a handler within ``header_timeout`` is closed. aiohttp answers malformed HTTP (a
-chunk size that is not hex, say) with a 400 of its own and logs it as an ERROR with a
-traceback: any client could fill the log with them, so ``QuietParseErrors`` makes each one
-info line.
+reached a handler within ``header_timeout`` is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-
-from ..errors import describe
-from ..log import event
 
 BUSY = json.dumps({"error": {"message": "worker busy: too many open connections", "code": 503}}).encode()
 
@@ -67,15 +58,3 @@ class _Refuse(asyncio.Protocol):
                         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(BUSY), BUSY))
         transport.close()
 
-
-class QuietParseErrors(logging.Filter):
-    """On aiohttp's ``aiohttp.server`` logger: a client's malformed HTTP becomes one
-    ``bad_http_request`` info line; anything else aiohttp logs passes as it is."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        cause = exc.__cause__ if isinstance(exc, web.RequestPayloadError) else exc  # a body: logged
-        if isinstance(cause, HttpProcessingError) and 400 <= (cause.code or 0) < 500:  # again after its 400
-            event("bad_http_request", peer=record.args[0] if record.args else None, error=describe(exc))
-            return False
-        return True

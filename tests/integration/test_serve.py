@@ -329,6 +329,36 @@ def test_resets_on_the_rendezvous_port_leave_the_json_log_json(start_server):
     assert lines and not not_json, not_json[:5]
 
 
+def test_malformed_http_on_the_admin_port_is_one_json_line_each(start_server):
+    """aiohttp logged each malformed request to /health or /metrics as an ERROR with a
+    traceback, through Python's last-resort handler: plain text in a JSON log, from any
+    local process. Now: one ``bad_http_request`` info line each, JSON, and no traceback."""
+    import socket as sk
+
+    from .test_operations import free_port
+
+    admin = free_port()
+    srv = start_server("--admin", str(admin), "--log-format", "json")
+    bad = [b"GET /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+           b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"]
+    for raw_request in bad:
+        with sk.create_connection(("127.0.0.1", admin)) as s:
+            s.settimeout(10)
+            s.sendall(raw_request)
+            assert s.recv(4096).startswith(b"HTTP/1.0 400")
+    with sk.create_connection(("127.0.0.1", admin)) as s:
+        s.settimeout(10)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    assert srv.stop() == 0
+    lines = [line for line in srv.logs().splitlines() if line.strip()]
+    not_json = [line for line in lines if not _is_json(line)]
+    assert lines and not not_json, not_json[:5]
+    events = [json.loads(line) for line in lines]
+    assert [e["level"] for e in events if e["event"] == "bad_http_request"] == ["info", "info"], lines
+    assert not [e for e in events if e["level"] == "error" or "exc" in e], lines
+
+
 def _is_json(line: str) -> bool:
     try:
         json.loads(line)
