@@ -57,4 +57,3 @@ class _Refuse(asyncio.Protocol):
         transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(BUSY), BUSY))
         transport.close()
-
