@@ -75,7 +75,7 @@ class Worker:
             except web.HTTPRequestEntityTooLarge:
                 return error(413, f"body larger than {self.max_body} bytes")
             except web.RequestPayloadError as exc:  # not what its headers say (a gzip body that is not gzip)
-                return error(400, f"request body could not be read: {exc.__cause__ or exc.message}")
+                return error(400, f"request body could not be read: {exc}")
             except ConnectionResetError:  # the caller hung up mid-body: nothing sent to mmsched, nobody to answer
                 event("caller_gone", stage="body", peer=request.remote)
                 raise asyncio.CancelledError from None  # as aiohttp ends a handler whose caller went away

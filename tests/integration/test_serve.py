@@ -324,9 +324,7 @@ def test_resets_on_the_rendezvous_port_leave_the_json_log_json(start_server):
             s.setsockopt(sk.SOL_SOCKET, sk.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
     assert sync_ping(srv.addr)
     assert srv.stop() == 0
-    lines = [line for line in srv.logs().splitlines() if line.strip()]
-    not_json = [line for line in lines if not _is_json(line)]
-    assert lines and not not_json, not_json[:5]
+    _json_events(srv.logs())
 
 
 def test_malformed_http_on_the_admin_port_is_one_json_line_each(start_server):
@@ -351,12 +349,17 @@ def test_malformed_http_on_the_admin_port_is_one_json_line_each(start_server):
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert s.recv(4096).startswith(b"HTTP/1.1 200")
     assert srv.stop() == 0
-    lines = [line for line in srv.logs().splitlines() if line.strip()]
+    events = _json_events(srv.logs())
+    assert [e["level"] for e in events if e["event"] == "bad_http_request"] == ["info", "info"], events
+    assert not [e for e in events if e["level"] == "error" or "exc" in e], events
+
+
+def _json_events(logs: str) -> list[dict]:
+    """Every line of a ``--log-format json`` log, parsed: the test fails on any line that is not JSON."""
+    lines = [line for line in logs.splitlines() if line.strip()]
     not_json = [line for line in lines if not _is_json(line)]
     assert lines and not not_json, not_json[:5]
-    events = [json.loads(line) for line in lines]
-    assert [e["level"] for e in events if e["event"] == "bad_http_request"] == ["info", "info"], lines
-    assert not [e for e in events if e["level"] == "error" or "exc" in e], lines
+    return [json.loads(line) for line in lines]
 
 
 def _is_json(line: str) -> bool:

@@ -84,6 +84,15 @@ class Worker:
                 time.sleep(0.5)
         raise TimeoutError(Path(self.log.name).read_text())
 
+    def log_size(self) -> int:
+        return Path(self.log.name).stat().st_size
+
+    def log_since(self, offset: int) -> str:
+        """What the worker logged after ``log_size()`` returned ``offset``."""
+        with open(self.log.name, "rb") as f:
+            f.seek(offset)
+            return f.read().decode()
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -262,15 +271,13 @@ def test_callers_that_hang_up_mid_body_are_one_quiet_log_line_each(stack):
     body = json.dumps(chat(png())).encode()
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body))
-    logged = Path(worker.log.name).stat().st_size
+    logged = worker.log_size()
     for _ in range(5):
         with socket.create_connection(("127.0.0.1", worker.port)) as s:
             s.sendall(head + body[: len(body) // 2])  # and hang up
     status, answer = post(worker.port, chat(png()))
     assert status == 200, answer
-    with open(worker.log.name, "rb") as f:
-        f.seek(logged)
-        new = f.read().decode()
+    new = worker.log_since(logged)
     assert "Traceback" not in new and " E [worker]" not in new, new
     assert new.count("caller_gone") == 5, new
 
@@ -279,7 +286,7 @@ def test_bodies_and_messages_aiohttp_cannot_decode_are_400s_without_tracebacks(s
     """Outside testing: a gzip body that is not gzip was a 500 "internal error", and malformed
     HTTP (a chunk size that is not hex) an ERROR with a traceback in the worker's log."""
     worker = stack[2][1]
-    logged = Path(worker.log.name).stat().st_size
+    logged = worker.log_size()
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
 
     def send(raw: bytes) -> bytes:
@@ -300,9 +307,7 @@ def test_bodies_and_messages_aiohttp_cannot_decode_are_400s_without_tracebacks(s
     assert reply.split(b" ", 2)[1] == b"400", reply  # aiohttp's own answer to broken HTTP
     status, answer = post(worker.port, chat(png()))
     assert status == 200, answer
-    with open(worker.log.name, "rb") as f:
-        f.seek(logged)
-        new = f.read().decode()
+    new = worker.log_since(logged)
     assert "Traceback" not in new and " E [worker]" not in new and "Error handling" not in new, new
     assert new.count("bad_http_request") >= 1, new  # the broken chunk's (aiohttp may log each bad body too)
 
