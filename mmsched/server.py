@@ -103,6 +103,10 @@ def _prepare_process(cfg: Config, rank: int) -> None:
     """Logging, torch threads, signals (followers leave the decision to the leader), the launcher's death."""
     log.setup(rank, cfg.log_format, cfg.log_level)
     torch.set_num_threads(cfg.torch_threads)
+    # A thread woken from a collective (the lane, out of gloo or the ring) needs the GIL back
+    # from the loop thread, which gives it up only every switch interval while it decodes or
+    # answers (tp=2 here: +13% requests per second at 0.5 ms, p99 at 1000 req/s 6.3 -> 5.4 ms).
+    sys.setswitchinterval(cfg.gil_switch_us / 1e6)
     refused = request_slice(cfg.sched_slice_us)  # before any thread of ours or gloo's: they inherit it
     if refused:
         event("sched_slice_refused", logging.WARNING, slice_us=cfg.sched_slice_us, reason=refused)
