@@ -105,7 +105,7 @@ def _prepare_process(cfg: Config, rank: int) -> None:
     torch.set_num_threads(cfg.torch_threads)
     # A thread woken from a collective (the lane, out of gloo or the ring) needs the GIL back
     # from the loop thread, which gives it up only every switch interval while it decodes or
-    # answers (tp=2 here: +13% requests per second at 0.5 ms, p99 at 1000 req/s 6.3 -> 5.4 ms).
+    # answers (tp=2 here, 0.5 ms against 5: p99 at 1000 req/s 6.3 -> 5.4 ms; docs/operations.md).
     sys.setswitchinterval(cfg.gil_switch_us / 1e6)
     refused = request_slice(cfg.sched_slice_us)  # before any thread of ours or gloo's: they inherit it
     if refused:
