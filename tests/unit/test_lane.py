@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -77,9 +79,6 @@ def test_a_rank_process_takes_the_configured_gil_switch_interval():
     """Python's 5 ms could leave a lane woken from gloo waiting that long for the loop
     thread's GIL (tp=2's p99 at 1000 req/s: 6.3 ms, against 5.4 at 0.5 ms): a rank sets
     ``gil_switch_us`` at start."""
-    import subprocess
-    import sys
-
     code = ("import sys; from mmsched.config import Config; from mmsched.server import _prepare_process; "
             "_prepare_process(Config(gil_switch_us=250, sched_slice_us=0), 1); print(sys.getswitchinterval())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
