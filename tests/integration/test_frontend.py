@@ -83,16 +83,17 @@ def test_a_client_that_reads_nothing_does_not_block_the_loop(tmp_path):
     client reads the replies that found room, in order, and the others are answered meanwhile."""
     async def body(fe, opened, received):
         stuck, other = client(fe, opened, rcvhwm=1), client(fe, opened)
-        stuck.send(b"hello")
-        other.send(b"hello")
+        stuck.send(b"stuck")
+        other.send(b"other")
         assert await until(lambda: len(received) == 2)
+        who = {payload: identity for identity, payload in received}  # they may arrive in either order
         big = "x" * (256 << 10)  # a few of these fill the socket buffers behind a high-water mark of 1
         t0 = time.monotonic()
         for i in range(64):
-            fe.send_to_clients(received[0][0], {"type": "result", "rid": f"big{i}", "message": big})
+            fe.send_to_clients(who[b"stuck"], {"type": "result", "rid": f"big{i}", "message": big})
         elapsed = time.monotonic() - t0
         assert elapsed < 2.0, f"sending to a full client blocked the loop for {elapsed:.1f}s"
-        fe.send_to_clients(received[1][0], {"type": "result", "rid": "other"})
+        fe.send_to_clients(who[b"other"], {"type": "result", "rid": "other"})
         assert other.poll(2000) and msgpack.unpackb(other.recv())["rid"] == "other"
         got = []
         while stuck.poll(500):
