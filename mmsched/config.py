@@ -164,13 +164,20 @@ def _coerce(name: str, value: Any, from_text: bool) -> Any:
         elif not isinstance(value, str):
             raise ValueError("must be a string")
     except ValueError as exc:
-        raise ConfigError(f"{name}: {exc if 'must' in str(exc) else f'cannot read {value!r} as {kind.__name__}'}") from None
+        raise ConfigError(f"{name}: {exc if 'must' in str(exc) else f'cannot read {_short(value)} as {kind.__name__}'}") from None
     m = f.metadata
     if m["lo"] is not None and value < m["lo"] or m["hi"] is not None and value > m["hi"]:
-        raise ConfigError(f"{name}: {value!r} is outside {m['lo']}..{m['hi']}")
+        raise ConfigError(f"{name}: {_short(value)} is outside {m['lo']}..{m['hi']}")
     if m["choices"] and value not in m["choices"]:
-        raise ConfigError(f"{name}: {value!r} is not one of {', '.join(m['choices'])}")
+        raise ConfigError(f"{name}: {_short(value)} is not one of {', '.join(m['choices'])}")
     return value
+
+
+def _short(v: Any, limit: int = 160) -> str:
+    """``repr(v)`` (or an exception's text) cut to ``limit`` characters: a config error is one
+    readable line, whatever was pasted into the setting."""
+    text = str(v) if isinstance(v, BaseException) else repr(v)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 PREFIX_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{2,62}[_.\-]")
@@ -196,8 +203,9 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None,
                 doc = tomllib.load(fh)
         except OSError as exc:
             raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config: {path} is not valid TOML: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # TOMLDecodeError, and what tomllib lets through:
+            # bytes that are not UTF-8, an integer past Python's 4300 digits, nesting past the stack
+            raise ConfigError(f"config: {path} is not valid TOML: {_short(exc)}") from exc
         for k, v in doc.items():
             if k not in FIELDS:
                 raise ConfigError(f"{k}: unknown setting in {path}")

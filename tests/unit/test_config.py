@@ -36,9 +36,9 @@ def mmsched(*args: str, env: dict | None = None) -> subprocess.Popen:
                             stderr=subprocess.PIPE, env=clean_env(**(env or {})), text=True)
 
 
-def write(tmp_path, text: str, name: str = "mmsched.toml") -> str:
+def write(tmp_path, text: str | bytes, name: str = "mmsched.toml") -> str:
     path = tmp_path / name
-    path.write_text(text)
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     return str(path)
 
 
@@ -146,6 +146,10 @@ BAD = [
     ("bad admin address", 'admin = "localhost"\n', {}, {}, "admin"),
     ("bad frontend", 'frontend = "/tmp/mmsched.sock"\n', {}, {}, "frontend"),
     ("unreadable TOML", "max_batch = = 3\n", {}, {}, "config"),
+    # tomllib's own limits: each raised past the loader (a traceback, exit 1)
+    ("TOML integer over 4300 digits", "max_batch = " + "9" * 4301 + "\n", {}, {}, "config"),
+    ("TOML nested past the recursion limit", "a = " + "[" * 5000 + "1" + "]" * 5000 + "\n", {}, {}, "config"),
+    ("TOML not UTF-8", b"max_batch = 3\n\xff = 2\n", {}, {}, "config"),
     ("missing file", "<missing>", {}, {}, "config"),
 ]
 
@@ -163,6 +167,14 @@ def test_bad_config_raises_config_error_naming_the_key(tmp_path, what, text, env
     with pytest.raises(ConfigError) as info:
         load(_bad_path(tmp_path, text), env=env, flags=flags)
     assert str(info.value).split(":", 1)[0] == key, str(info.value)
+
+
+def test_a_huge_value_is_named_in_a_short_error():
+    """A value pasted by mistake (5000 digits) is cut in the message: one readable line."""
+    for env in ({"MMSCHED_MAX_BATCH": "9" * 5000}, {"MMSCHED_MAX_BATCH": "9" * 4000}):
+        with pytest.raises(ConfigError) as info:
+            load(None, env=env)
+        assert str(info.value).startswith("max_batch: ") and len(str(info.value)) < 300, str(info.value)[:400]
 
 
 def _as_flags(flags: dict) -> list[str]:
