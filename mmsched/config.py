@@ -120,8 +120,8 @@ def parse_table(text: str) -> dict:
     """A TOML inline table given as text (``{layers = 2}``), for the environment and flags."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        raise ValueError(f"must be a TOML inline table like {{layers = 2}}, not {text!r}") from None
+    except (tomllib.TOMLDecodeError, RecursionError):  # a table nested past the stack, too
+        raise ValueError(f"must be a TOML inline table like {{layers = 2}}, not {_short(text)}") from None
 
 
 def _toml_key(k: str) -> str:

@@ -150,6 +150,8 @@ BAD = [
     ("TOML integer over 4300 digits", "max_batch = " + "9" * 4301 + "\n", {}, {}, "config"),
     ("TOML nested past the recursion limit", "a = " + "[" * 5000 + "1" + "]" * 5000 + "\n", {}, {}, "config"),
     ("TOML not UTF-8", b"max_batch = 3\n\xff = 2\n", {}, {}, "config"),
+    ("engine options nested past the recursion limit", None,
+     {"MMSCHED_ENGINE_OPTIONS": "{a = " + "[" * 5000 + "1" + "]" * 5000 + "}"}, {}, "engine_options"),
     ("missing file", "<missing>", {}, {}, "config"),
 ]
 
