@@ -20,6 +20,7 @@ from .cuda_ipc import Attachments, CudaIpcFeature, acknowledge
 from .forwarded import ForwardedFeature
 from .inline import InlineFeature
 from .memfd import MemfdCache, MemfdFeature
+from .reader import Reader
 from .session import SessionFeature
 from .shm import ShmFeature
 from .shm_pool import PoolCache, PooledFeature
@@ -39,6 +40,7 @@ class Transports:
         self.memfds = MemfdCache(pool_limit)
         self.buffers = Buffers()  # big features' destinations, reused once nobody holds them
         self.closer = Closer()  # big segments' last descriptors, closed off the lane and the loop
+        self.reader = Reader()  # big segments read in two halves at once
         self.attached = Attachments(attach_limit)
 
     def open(self, item: Item, rid: str, lookup: Callable[[str], torch.Tensor] | None = None,
@@ -51,8 +53,8 @@ class Transports:
         buffers = self.buffers if into is None else Into(into)
         if item.transport == "shm":
             if item.pooled:
-                return PooledFeature(item, rid, self.faults, self.pools, buffers)
-            return ShmFeature(item, rid, self.faults, buffers, self.closer)
+                return PooledFeature(item, rid, self.faults, self.pools, buffers, self.reader)
+            return ShmFeature(item, rid, self.faults, buffers, self.closer, self.reader)
         if item.transport == "inline":
             return InlineFeature(item, rid, self.faults)
         if item.transport == "session":

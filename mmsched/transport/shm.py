@@ -24,20 +24,22 @@ from ..errors import FeatureError, InjectedFault, describe
 from ..faults import Faults
 from ..log import event
 from ..protocol import Item
-from ..segments import SegmentTooSmall, read_into, shm_path
+from ..segments import SegmentTooSmall, shm_path
 from .base import OpenedFeature, typed
 from .buffers import NO_REUSE, Buffers
 from .closer import NOW, Closer
+from .reader import ONE_THREAD, Reader
 
 
 class ShmFeature(OpenedFeature):
     """A feature in a segment: opened and locked at construction, errors kept as data."""
 
-    __slots__ = ("unlinked", "_fd", "_size", "_released", "_buffers", "_closer")
+    __slots__ = ("unlinked", "_fd", "_size", "_released", "_buffers", "_closer", "_reader")
 
-    def __init__(self, item: Item, rid: str, faults: Faults, buffers: Buffers = NO_REUSE, closer: Closer = NOW):
+    def __init__(self, item: Item, rid: str, faults: Faults, buffers: Buffers = NO_REUSE, closer: Closer = NOW,
+                 reader: Reader = ONE_THREAD):
         self._fd, self._size, self._released, self.unlinked = -1, 0, False, False
-        self._buffers, self._closer = buffers, closer
+        self._buffers, self._closer, self._reader = buffers, closer, reader
         super().__init__(item, rid, faults)
 
     def _open(self) -> None:
@@ -51,7 +53,7 @@ class ShmFeature(OpenedFeature):
 
     def _read(self) -> torch.Tensor:
         raw = self._buffers.take(self.item.nbytes)
-        read_into(self._fd, raw.numpy(), self.item.offset, self.item.shm_name)
+        self._reader.read(self._fd, raw.numpy(), self.item.offset, self.item.shm_name)
         return typed(raw, self.item)
 
     def release(self, unlink: bool) -> bool:

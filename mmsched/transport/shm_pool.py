@@ -19,9 +19,13 @@ import stat
 import torch
 
 from ..errors import FeatureError
-from ..segments import SegmentTooSmall, read_into, shm_path
+from ..faults import Faults
+from ..protocol import Item
+from ..segments import SegmentTooSmall, shm_path
 from .base import LeasedFeature, typed
+from .buffers import NO_REUSE, Buffers
 from .leases import LeasedCache
+from .reader import ONE_THREAD, Reader
 
 
 class _OpenPool:
@@ -74,7 +78,12 @@ class PooledFeature(LeasedFeature):
     time, and touching a mapping past the end of its file is a SIGBUS that would take the
     rank down; a short read is an error for this request only."""
 
-    __slots__ = ()
+    __slots__ = ("_reader",)
+
+    def __init__(self, item: Item, rid: str, faults: Faults, cache: PoolCache, buffers: Buffers = NO_REUSE,
+                 reader: Reader = ONE_THREAD):
+        self._reader = reader
+        super().__init__(item, rid, faults, cache, buffers)
 
     def _open(self) -> None:
         item = self.item
@@ -86,5 +95,5 @@ class PooledFeature(LeasedFeature):
 
     def _read(self) -> torch.Tensor:
         raw = self._buffers.take(self.item.nbytes)
-        read_into(self._lease.handle.fd, raw.numpy(), self.item.offset, self.item.shm_name)
+        self._reader.read(self._lease.handle.fd, raw.numpy(), self.item.offset, self.item.shm_name)
         return typed(raw, self.item)

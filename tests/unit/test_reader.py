@@ -1,0 +1,107 @@
+"""Big segments read in two halves at once: the bytes a rank reads are the client's, and a
+segment that shrinks under the read is that request's error, whichever half it cuts."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+
+from mmsched.producers import ShmPool, create_segment
+from mmsched.protocol import Item
+from mmsched.segments import SegmentTooSmall, shm_path
+from mmsched.transport import Transports
+from mmsched.transport.reader import Reader
+
+PREFIX = "mmsched_"
+SPLIT = Reader.SPLIT
+
+
+def shm_item(name: str, nbytes: int, offset: int = 0, pooled: bool = False) -> Item:
+    return Item(index=0, modality="image", transport="shm", dtype="uint8", shape=(nbytes,), nbytes=nbytes,
+                shm_name=name, offset=offset, pooled=pooled)
+
+
+def noise(nbytes: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (nbytes,), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
+@pytest.fixture
+def transports():
+    t = Transports()
+    yield t
+    t.clear()
+
+
+@pytest.mark.parametrize("nbytes", [SPLIT - 1, SPLIT, SPLIT + 4097, 5 * SPLIT + 3])
+def test_a_fresh_segment_reads_as_the_client_wrote_it(transports, nbytes):
+    offset = 123  # not on a page: the cut between the halves is not either, relative to the file
+    for seed in (1, 2):  # the second read lands in the buffer the first one filled
+        data = noise(nbytes, seed)
+        seg = create_segment(data, PREFIX, size=offset + nbytes)
+        try:
+            seg.sent()
+            fd = os.open(shm_path(seg.name), os.O_RDWR)
+            try:  # move the bytes to the offset, as a client packing a header first would
+                os.pwrite(fd, data.numpy().tobytes(), offset)
+            finally:
+                os.close(fd)
+            before = transports.reader.splits
+            f = transports.open(shm_item(seg.name, nbytes, offset), "r")
+            assert f.error is None
+            got = f.materialize()
+            assert digest(got) == digest(data)
+            assert transports.reader.splits - before == (1 if nbytes >= SPLIT else 0)
+            assert f.release(unlink=True)
+            assert not os.path.exists(shm_path(seg.name))
+        finally:
+            seg.discard()
+
+
+def test_a_pooled_slice_reads_as_the_client_wrote_it(transports):
+    pool = ShmPool(16 * SPLIT, PREFIX)
+    try:
+        pool.put(noise(4096, 9))  # the slice under test starts past the pool's first page
+        for seed in (3, 4):
+            data = noise(3 * SPLIT + 5, seed)
+            offset = pool.put(data)
+            before = transports.reader.splits
+            f = transports.open(shm_item(pool.name, data.numel(), offset, pooled=True), "r")
+            assert f.error is None
+            assert digest(f.materialize()) == digest(data)
+            assert transports.reader.splits - before == 1
+            f.release(unlink=True)
+            pool.free(offset, data.numel())
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("keep", ["none", "first half", "most of the second half"])
+def test_a_segment_that_shrinks_before_the_read_fails_that_read_only(transports, keep):
+    nbytes = 2 * SPLIT
+    data = noise(nbytes, 5)
+    seg = create_segment(data, PREFIX)
+    try:
+        seg.sent()
+        f = transports.open(shm_item(seg.name, nbytes), "r")
+        assert f.error is None
+        os.truncate(shm_path(seg.name), {"none": 0, "first half": nbytes // 2, "most of the second half": nbytes - 7}[keep])
+        with pytest.raises(SegmentTooSmall, match=seg.name):
+            f.materialize()
+        f.release(unlink=True)
+    finally:
+        seg.discard()
+    again = create_segment(data, PREFIX)  # the reader still reads after an error
+    try:
+        again.sent()
+        f = transports.open(shm_item(again.name, nbytes), "r")
+        assert digest(f.materialize()) == digest(data)
+        f.release(unlink=True)
+    finally:
+        again.discard()
