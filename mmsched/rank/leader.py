@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections import deque
 from typing import Coroutine
@@ -225,7 +226,8 @@ class Leader:
             if admin:  # listening before the first ping is answered: a client that saw a pong
                 await admin.start()  # can read /health (its start imports aiohttp: ~0.5 s)
             self.life.serve()
-            event("serving", frontend=self.cfg.frontend, ranks=self.world, max_batch=self.cfg.max_batch)
+            event("serving", frontend=self.cfg.frontend, ranks=self.world, max_batch=self.cfg.max_batch,
+                  gil_switch_us=round(sys.getswitchinterval() * 1e6))  # as set, not as configured
             tasks = [asyncio.ensure_future(self.frontend.recv_from_clients(self._on_message, self._received)),
                      asyncio.ensure_future(sweep_every(self.cfg.shm_prefix, self.cfg.sweep_grace,
                                                        self.cfg.sweep_interval, self.core.segments, self._reclaimed))]

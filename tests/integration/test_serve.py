@@ -279,6 +279,14 @@ def test_a_server_with_drills_says_so_at_start_up(drilled):
     assert "faults_active faults=0:open:zz-*,5:open:x-* stall_s=3.0 never_fire=5:open:x-*" in srv.logs(), srv.logs()
 
 
+def test_the_serving_event_says_which_gil_switch_interval_the_leader_runs_with(start_server):
+    """The switch interval shapes tp=2 latency but was visible nowhere: the leader's ``serving``
+    line reads it back from the interpreter, so a value set by env is seen to have taken."""
+    srv = start_server(env={"MMSCHED_GIL_SWITCH_US": "250"})
+    line = next(l for l in srv.logs().splitlines() if "serving" in l and "frontend=" in l)
+    assert "gil_switch_us=250" in line, line
+
+
 def _tcp_listeners() -> dict[tuple[str, int], str]:
     """Every listening TCP socket on this host (IPv4 and IPv6): (address, port) -> socket inode."""
     out = {}
