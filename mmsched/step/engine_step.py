@@ -123,7 +123,9 @@ class FlaggedGather:
         self.verdict, self.calls, self.agreed, self.agreed_error = None, 0, agreed, None
 
     def disarm(self) -> consensus.Verdict | None:
-        self.thread = None
+        """The step is over: let go of its requests, whose features (1 GiB each, maybe) would
+        otherwise stay alive on every rank until the next step armed the gather."""
+        self.thread, self.requests, self.aborted, self.failed = None, [], lambda j: None, {}
         return self.verdict
 
     def __call__(self, local: torch.Tensor, failed: Mapping[int, BaseException] | None = None) -> torch.Tensor:

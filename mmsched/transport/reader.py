@@ -59,8 +59,9 @@ class Reader:
             read_into(fd, dst[:cut], offset, name)
         finally:
             half.done.acquire()  # never return, nor raise, while the helper writes into dst
-        if half.error is not None:
-            raise half.error
+        error, half.error = half.error, None  # raised here, it gains frames that hold dst
+        if error is not None:
+            raise error
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -75,8 +76,9 @@ class Reader:
             try:
                 read_into(half.fd, half.dst, half.offset, half.name)
             except BaseException as exc:  # noqa: BLE001 - the caller raises it, as its own read's
-                half.error = exc
+                half.error = exc.with_traceback(None)  # its frames would hold dst
             finally:
+                half.dst = None  # idle, the helper holds no buffer (an outside attack: 1 GiB kept)
                 half.done.release()
 
     def __repr__(self) -> str:

@@ -105,3 +105,33 @@ def test_a_segment_that_shrinks_before_the_read_fails_that_read_only(transports,
         f.release(unlink=True)
     finally:
         again.discard()
+
+
+def test_the_helper_holds_no_buffer_once_a_read_is_over(tmp_path):
+    """Outside attack: after 1 GiB features a rank stayed 1 GiB larger while idle, the helper
+    still holding its last half (and, after a short read, the error's frames held it too)."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    reader = Reader()
+    path = tmp_path / "segment"
+    path.write_bytes(os.urandom(2 * SPLIT))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for size in (2 * SPLIT, 3 * SPLIT):  # the second is short in the helper's half
+            dst = np.empty(size, dtype=np.uint8)
+            gone = weakref.ref(dst)
+            try:
+                reader.read(fd, dst, 0, "segment")
+            except SegmentTooSmall:
+                assert size == 3 * SPLIT
+            else:
+                assert size == 2 * SPLIT and dst.tobytes() == path.read_bytes()
+            del dst
+            gc.collect()
+            assert gone() is None, f"a {size} B buffer outlived its read"
+    finally:
+        os.close(fd)
+    assert reader.splits == 2
