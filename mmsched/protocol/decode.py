@@ -147,8 +147,8 @@ def _sized_item(i: int, it: dict, f: str, item_id: str | None, limits: Limits) -
         raise BadRequest(f"{f}.dtype", f"must be one of {' '.join(ITEMSIZE)}")
     shape = it.get("shape")
     if (not isinstance(shape, list) or not 1 <= len(shape) <= 8
-            or not all(_is_int(d) and d >= 0 for d in shape)):
-        raise BadRequest(f"{f}.shape", "must be an array of 1-8 ints, each >= 0")
+            or not all(_is_int(d) and 0 <= d < 2**63 for d in shape)):  # a tensor's dims are int64
+        raise BadRequest(f"{f}.shape", "must be an array of 1-8 ints, each >= 0 and < 2**63")
     # Python ints do not overflow; bound the product before anything is allocated.
     nbytes = item_nbytes(shape, dtype)
     if nbytes > limits.max_item_bytes:

@@ -102,6 +102,20 @@ def test_shape_edges_accepted():
     assert decode(frames_of(h), LIMITS).items[0].shape == (1,) * 8
 
 
+def test_a_zero_size_item_may_have_any_dimension_a_tensor_can():
+    """Outside attack: [0, 2**64-1] passed and was a 500 carrying torch's overflow text on
+    every rank; a dimension is now an int64's, and the largest of those still materializes."""
+    import torch
+
+    from mmsched.transport.base import typed
+
+    item = decode(frames_of(with_item(0, shape=[0, 2**63 - 1])), LIMITS).items[0]
+    assert typed(torch.empty(0, dtype=torch.uint8), item).shape == (0, 2**63 - 1)
+    for shape in ([0, 2**63], [2**64 - 1, 0]):
+        with pytest.raises(BadRequest, match=r"mm_items\[0\]\.shape.*< 2\*\*63"):
+            decode(frames_of(with_item(0, shape=shape)), LIMITS)
+
+
 def test_rid_of_128_chars_accepted():
     assert decode(frames_of(base(rid="r" * 128)), LIMITS).rid == "r" * 128
 
