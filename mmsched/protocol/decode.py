@@ -4,6 +4,7 @@ the field. Nothing a client sends makes ``decode`` raise anything else.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -147,12 +148,13 @@ def _sized_item(i: int, it: dict, f: str, item_id: str | None, limits: Limits) -
         raise BadRequest(f"{f}.dtype", f"must be one of {' '.join(ITEMSIZE)}")
     shape = it.get("shape")
     if (not isinstance(shape, list) or not 1 <= len(shape) <= 8
-            or not all(_is_int(d) and 0 <= d < 2**63 for d in shape)):  # a tensor's dims are int64
-        raise BadRequest(f"{f}.shape", "must be an array of 1-8 ints, each >= 0 and < 2**63")
-    # Python ints do not overflow; bound the product before anything is allocated.
-    nbytes = item_nbytes(shape, dtype)
+            or not all(_is_int(d) and d >= 0 for d in shape)):
+        raise BadRequest(f"{f}.shape", "must be an array of 1-8 ints, each >= 0")
+    nbytes = item_nbytes(shape, dtype)  # Python ints do not overflow: bounded before anything is allocated
     if nbytes > limits.max_item_bytes:
         raise BadRequest(f"{f}.shape", f"{nbytes} bytes exceed max_item_bytes={limits.max_item_bytes}")
+    if not nbytes and math.prod(max(d, 1) for d in shape) >= 2**63:  # torch's sizes and strides are int64
+        raise BadRequest(f"{f}.shape", "its dimensions, zeros left out, must multiply to less than 2**63")
     return Item(index=i, modality=modality, transport=it["transport"], dtype=dtype,
                 shape=tuple(shape), nbytes=nbytes, id=item_id)
 

@@ -280,7 +280,7 @@ async def test_huge_shapes_are_refused_before_any_allocation(server):
         zero = await c.request("embed", [1], [raw(it, b"")], rid="zero-dim", timeout=10)
         after = rss_kib(pid)
         seg.discard()
-    assert zero.status in (200, 500), zero  # served or refused, never a crash
+    assert zero.status == 200, zero  # served (it was once a 500 with torch's overflow text)
     assert sync_ping(server.addr, 5.0)["healthy"] is True
     assert after - before < 16 * 1024, f"RSS grew {after - before} KiB refusing huge shapes"
 

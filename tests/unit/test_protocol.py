@@ -103,16 +103,18 @@ def test_shape_edges_accepted():
 
 
 def test_a_zero_size_item_may_have_any_dimension_a_tensor_can():
-    """Outside attack: [0, 2**64-1] passed and was a 500 carrying torch's overflow text on
-    every rank; a dimension is now an int64's, and the largest of those still materializes."""
+    """Outside attacks: [0, 2**64-1], then [2**62, 4, 0], passed and were a 500 carrying
+    torch's overflow text on every rank. Its dimensions, zeros left out, must multiply below
+    2**63 (torch's sizes and strides are int64); the largest such shapes still materialize."""
     import torch
 
     from mmsched.transport.base import typed
 
-    item = decode(frames_of(with_item(0, shape=[0, 2**63 - 1])), LIMITS).items[0]
-    assert typed(torch.empty(0, dtype=torch.uint8), item).shape == (0, 2**63 - 1)
-    for shape in ([0, 2**63], [2**64 - 1, 0]):
-        with pytest.raises(BadRequest, match=r"mm_items\[0\]\.shape.*< 2\*\*63"):
+    for shape in ([0, 2**63 - 1], [2**31, 0, 2**32 - 1]):
+        item = decode(frames_of(with_item(0, shape=shape)), LIMITS).items[0]
+        assert typed(torch.empty(0, dtype=torch.uint8), item).shape == tuple(shape)
+    for shape in ([0, 2**63], [2**64 - 1, 0], [2**62, 4, 0], [2**32, 2**32, 0], [0, 2**63 - 1, 2**63 - 1]):
+        with pytest.raises(BadRequest, match=r"mm_items\[0\]\.shape: its dimensions.*less than 2\*\*63"):
             decode(frames_of(with_item(0, shape=shape)), LIMITS)
 
 
