@@ -32,11 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmsched", description="mmsched, a scheduler sidecar for multimodal "
                                      "LLM serving: serve, config, sweep, keygen, loadtest, worker. See README.md.")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the scheduler (tp ranks)", description=(
+    # no abbreviations: `--gil 250` used to set gil_switch_us, and would change meaning (or
+    # fail as ambiguous) the day another flag starting so is added
+    serve = sub.add_parser("serve", allow_abbrev=False, help="run the scheduler (tp ranks)", description=(
         "Run the scheduler. Every setting is a flag, an environment variable and a TOML key; "
         "flags beat the environment, which beats --config FILE, which beats the defaults."))
     _add_config_flags(serve)
-    cfgp = sub.add_parser("config", help="check the configuration (file, environment, flags); --print shows it all")
+    cfgp = sub.add_parser("config", allow_abbrev=False, help="check the configuration (file, environment, flags); --print shows it all")
     _add_config_flags(cfgp)
     cfgp.add_argument("--print", action="store_true", dest="do_print",
                       help="print the whole effective configuration as TOML (a valid config file)")

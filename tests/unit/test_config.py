@@ -215,6 +215,15 @@ def test_a_flag_of_the_wrong_type_exits_2_naming_the_flag():
     assert "--max-batch" in err and "many" in err
 
 
+
+@pytest.mark.parametrize("command", ["serve", "config"])
+def test_a_flag_must_be_spelled_out(command):
+    """Outside attack: ``--gil 250`` set gil_switch_us (argparse takes a unique prefix), so a
+    script's flag could change meaning when a flag starting the same way is added."""
+    proc = mmsched(command, "--gil", "250")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "unrecognized arguments: --gil 250" in err, err[-2000:]
+
 # ---------------------------------------------------------------- the operator's doc
 
 def test_every_setting_is_in_the_operations_doc_with_its_default():
