@@ -44,7 +44,7 @@ class Config:
     dist_init: str = _opt("", "torch.distributed init address for --tp N (default: a free 127.0.0.1 port)")
     shm_prefix: str = _opt("mmsched_", "only segments with this prefix are opened or unlinked "
                            "(4-64 of [A-Za-z0-9_.-], a letter first, ending in _ . or -)")
-    max_batch: int = _opt(64, "most requests handled as one batch (one consensus)", 1, 65536)
+    max_batch: int = _opt(256, "most requests handled as one batch (one consensus)", 1, 65536)
     max_queue: int = _opt(4096, "most requests waiting at the leader; beyond it, 503", 1, 1 << 24)
     max_queued_items: int = _opt(8192, "most feature items of queued and running requests together (each may hold a descriptor at the leader); beyond it, 503", 1, 1 << 24)
     collective_timeout: float = _opt(30.0, "seconds any collective may take before the group is broken", 0.1, 86400)

@@ -167,17 +167,24 @@ def start_engine(cfg: Config, group, faults: Faults = NO_FAULTS) -> tuple[Engine
 FD_RESERVE = 1024  # sockets, gloo, shared libraries, the pool and ack-board caches
 
 
+def open_items_at_most(cfg: Config) -> int:
+    """Items a rank may have open at once: a batch's, and admission holds the items of
+    queued and running requests to max_queued_items (a request of more is a 400)."""
+    return min(cfg.max_batch * cfg.max_items, cfg.max_queued_items)
+
+
 def reserve_descriptors(cfg: Config, rank: int) -> int:
-    """Make room for every descriptor clients may make this rank hold (a batch's open items;
-    at the leader, one lock per queued item): running out mid-batch would break the group.
-    Raises the soft RLIMIT_NOFILE as far as the hard one allows; refuses a config that
-    still does not fit. Returns the descriptors needed."""
-    need = cfg.max_batch * cfg.max_items + (cfg.max_queued_items if rank == 0 else 0) + FD_RESERVE
+    """Make room for every descriptor clients may make this rank hold (the items it has
+    open; at the leader, one lock per queued item too): running out mid-batch would break
+    the group. Raises the soft RLIMIT_NOFILE as far as the hard one allows; refuses a
+    config that still does not fit. Returns the descriptors needed."""
+    need = open_items_at_most(cfg) + (cfg.max_queued_items if rank == 0 else 0) + FD_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return need
     if hard != resource.RLIM_INFINITY and hard < need:
-        raise ConfigError(f"max_queued_items: rank {rank} may need {need} descriptors (max_batch x max_items"
+        raise ConfigError(f"max_queued_items: rank {rank} may need {need} descriptors "
+                          f"(min(max_batch x max_items, max_queued_items)"
                           f"{' + max_queued_items' if rank == 0 else ''} + {FD_RESERVE}), RLIMIT_NOFILE allows "
                           f"{hard}; raise `ulimit -n` or lower max_queued_items, max_batch or max_items")
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))

@@ -98,7 +98,7 @@ async def hold_lane(c: Client, tag: str) -> asyncio.Future:
     """Send a request that stalls rank 1 for --stall-s inside the engine collective.
 
     Everything sent in the next seconds queues at the leader behind it, so those requests
-    form the next batch together (max_batch 64 ≥ what a test sends)."""
+    form the next batch together (max_batch 256 ≥ what a test sends)."""
     fut = c.send_request("embed", [7], [], rid=f"slow-hold-{tag}")
     await asyncio.sleep(0.5)  # let the leader put it on the lane
     return fut

@@ -182,7 +182,7 @@ async def test_one_client_cannot_exhaust_the_leaders_descriptors(stalling):
 
 def test_a_config_the_descriptor_limit_cannot_hold_is_refused_at_start(tmp_path):
     """Rather than run out of descriptors mid-batch (which breaks the group), a rank whose
-    hard RLIMIT_NOFILE cannot hold max_batch x max_items (+ max_queued_items at the leader)
+    hard RLIMIT_NOFILE cannot hold min(max_batch x max_items, max_queued_items) (+ max_queued_items at the leader)
     refuses to start, naming the setting."""
     import resource
     import subprocess
@@ -197,6 +197,28 @@ def test_a_config_the_descriptor_limit_cannot_hold_is_refused_at_start(tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "max_queued_items" in proc.stdout + proc.stderr and "2048" in proc.stdout + proc.stderr
 
+
+
+def test_the_descriptors_reserved_grow_with_a_batch_only_up_to_max_queued_items():
+    """A rank has at most max_queued_items items open (admission holds queued and running
+    items to it), so the default 256 x 64 per batch must not ask for 16,384 descriptors: the
+    defaults fit a hard limit of 17,408 at the leader, 9,216 at a follower, and one fewer does not."""
+    import subprocess
+    import sys
+
+    probe = ("import resource, sys; from mmsched.config import Config; from mmsched.errors import ConfigError\n"
+             "from mmsched.server import reserve_descriptors\n"
+             "rank, hard = int(sys.argv[1]), int(sys.argv[2]); resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))\n"
+             "try: print(reserve_descriptors(Config(), rank), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+             "except ConfigError as exc: print('refused', exc)")
+
+    def reserve(rank: int, hard: int) -> str:
+        return subprocess.run([sys.executable, "-c", probe, str(rank), str(hard)], capture_output=True, text=True,
+                              timeout=60, check=True).stdout.strip()
+
+    assert reserve(0, 17408) == "17408 17408" and reserve(1, 9216) == "9216 9216"
+    assert reserve(0, 17407).startswith("refused max_queued_items: rank 0 may need 17408 descriptors")
+    assert reserve(1, 9215).startswith("refused max_queued_items: rank 1 may need 9216 descriptors")
 
 # ---------------------------------------------------------------- 10 and 8: on one fresh server per tp
 
@@ -319,8 +341,8 @@ def test_at_tp2_a_refused_config_stops_the_group_at_once(tmp_path):
     import subprocess
     import sys
 
-    def low_limit():  # room for a follower (64 x 64 + 1024), not for the leader (+ 8192 queued items)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (8192, 8192))
+    def low_limit():  # room for a follower (min(256 x 64, 8192) + 1024), not for the leader (+ 8192 queued items)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (10240, 10240))
 
     proc = subprocess.run([sys.executable, "-m", "mmsched", "serve", "--tp", "2", "--collective-timeout", "120",
                            "--frontend", f"ipc://{tmp_path}/x.sock"],

@@ -251,7 +251,7 @@ def test_help_shows_defaults_environment_names_and_choices(capsys):
 
     serve_help = cli.build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     flat = " ".join(serve_help.split())
-    assert "(default: 64; env MMSCHED_MAX_BATCH)" in flat, serve_help
+    assert "(default: 256; env MMSCHED_MAX_BATCH)" in flat, serve_help
     assert "one of text, json (default: \"text\"; env MMSCHED_LOG_FORMAT)" in flat, serve_help
     top = cli.build_parser().format_help()
     assert all(c in top for c in ("sweep", "keygen", "loadtest")), top
