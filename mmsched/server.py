@@ -176,18 +176,20 @@ def open_items_at_most(cfg: Config) -> int:
 def reserve_descriptors(cfg: Config, rank: int) -> int:
     """Make room for every descriptor clients may make this rank hold (the items it has
     open; at the leader, one lock per queued item too): running out mid-batch would break
-    the group. Raises the soft RLIMIT_NOFILE as far as the hard one allows; refuses a
-    config that still does not fit. Returns the descriptors needed."""
+    the group. Refuses a config the hard RLIMIT_NOFILE cannot hold, and raises the soft one
+    to the hard: each client connection costs the leader one more, and nothing bounds how
+    many connect (an outside attack: 4,000 idle connections and a flood, EMFILE 500s).
+    Returns the descriptors needed."""
     need = open_items_at_most(cfg) + (cfg.max_queued_items if rank == 0 else 0) + FD_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= need:
-        return need
     if hard != resource.RLIM_INFINITY and hard < need:
         raise ConfigError(f"max_queued_items: rank {rank} may need {need} descriptors "
                           f"(min(max_batch x max_items, max_queued_items)"
                           f"{' + max_queued_items' if rank == 0 else ''} + {FD_RESERVE}), RLIMIT_NOFILE allows "
                           f"{hard}; raise `ulimit -n` or lower max_queued_items, max_batch or max_items")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    want = need if hard == resource.RLIM_INFINITY else hard  # (an infinite soft limit is refused for files)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     return need
 
 

@@ -217,6 +217,7 @@ def test_the_descriptors_reserved_grow_with_a_batch_only_up_to_max_queued_items(
                               timeout=60, check=True).stdout.strip()
 
     assert reserve(0, 17408) == "17408 17408" and reserve(1, 9216) == "9216 9216"
+    assert reserve(0, 20000) == "17408 20000", "the soft limit goes to the hard: room for client connections"
     assert reserve(0, 17407).startswith("refused max_queued_items: rank 0 may need 17408 descriptors")
     assert reserve(1, 9215).startswith("refused max_queued_items: rank 1 may need 9216 descriptors")
 
