@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Run the scheduler. Every setting is a flag, an environment variable and a TOML key; "
         "flags beat the environment, which beats --config FILE, which beats the defaults."))
     _add_config_flags(serve)
-    cfgp = sub.add_parser("config", allow_abbrev=False, help="check the configuration (file, environment, flags); --print shows it all")
+    cfgp = sub.add_parser("config", allow_abbrev=False,
+                          help="check the configuration (file, environment, flags); --print shows it all")
     _add_config_flags(cfgp)
     cfgp.add_argument("--print", action="store_true", dest="do_print",
                       help="print the whole effective configuration as TOML (a valid config file)")

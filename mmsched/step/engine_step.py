@@ -88,6 +88,11 @@ def local_flags(requests: list[EngineRequest], failures: dict[int, BaseException
     return flags, errors
 
 
+def _never(j: int) -> str | None:
+    """No request is aborted: what an unarmed gather answers."""
+    return None
+
+
 class FlaggedGather:
     """``EngineContext.gather``: the engine's all-gather, with the runner's agreement in it.
 
@@ -107,7 +112,7 @@ class FlaggedGather:
     def __init__(self, group, faults: Faults, stall_s: float):
         self.group, self.faults, self.stall_s = group, faults, stall_s
         self.requests: list[EngineRequest] = []
-        self.aborted: Callable[[int], str | None] = lambda j: None
+        self.aborted: Callable[[int], str | None] = _never
         self.failed: dict[int, BaseException] = {}  # named by the engine in this step's calls so far
         self.thread: int | None = None  # the step's thread while armed; None between steps
         self.verdict: consensus.Verdict | None = None
@@ -125,7 +130,7 @@ class FlaggedGather:
     def disarm(self) -> consensus.Verdict | None:
         """The step is over: let go of its requests, whose features (1 GiB each, maybe) would
         otherwise stay alive on every rank until the next step armed the gather."""
-        self.thread, self.requests, self.aborted, self.failed = None, [], lambda j: None, {}
+        self.thread, self.requests, self.aborted, self.failed = None, [], _never, {}
         return self.verdict
 
     def __call__(self, local: torch.Tensor, failed: Mapping[int, BaseException] | None = None) -> torch.Tensor:

@@ -76,7 +76,7 @@ class Reader:
             try:
                 read_into(half.fd, half.dst, half.offset, half.name)
             except BaseException as exc:  # noqa: BLE001 - the caller raises it, as its own read's
-                half.error = exc.with_traceback(None)  # its frames would hold dst
+                half.error = exc
             finally:
                 half.dst = None  # idle, the helper holds no buffer (an outside attack: 1 GiB kept)
                 half.done.release()
