@@ -120,5 +120,14 @@ class _GroupCollector:
         yield GaugeMetricFamily("mmsched_sessions", "Open sessions", value=len(st.sessions))
         yield GaugeMetricFamily("mmsched_session_features", "Features held by sessions",
                                 value=st.sessions.features)
+        if st.connections is not None:
+            yield GaugeMetricFamily("mmsched_client_connections", "Client connections open at the frontend",
+                                    value=len(st.connections.open))
+            yield GaugeMetricFamily("mmsched_client_connections_at_most",
+                                    "Client connections kept open at most (what RLIMIT_NOFILE leaves)",
+                                    value=st.connections.at_most)
+            yield CounterMetricFamily("mmsched_client_connections_refused",
+                                      "Connections shut down as accepted: at_most were open",
+                                      value=st.connections.refused)
         yield GaugeMetricFamily("mmsched_ranks", "Ranks in the group", value=st.world)
         yield GaugeMetricFamily("mmsched_healthy", "1 while /health would answer 200", value=int(st.health()[0]))

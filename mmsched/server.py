@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import resource
 import signal
 import sys
 import time
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from . import log
 from .batch import BatchRunner
 from .config import Config
+from .descriptors import reserve_descriptors
 from .engine import Engine, EngineContext, load_engine
 from .errors import ConfigError, describe
 from .faults import NO_FAULTS, Faults
@@ -162,35 +162,6 @@ def start_engine(cfg: Config, group, faults: Faults = NO_FAULTS) -> tuple[Engine
     if problems:
         raise ConfigError("; ".join(problems))
     return engine, gather
-
-
-FD_RESERVE = 1024  # sockets, gloo, shared libraries, the pool and ack-board caches
-
-
-def open_items_at_most(cfg: Config) -> int:
-    """Items a rank may have open at once: a batch's, and admission holds the items of
-    queued and running requests to max_queued_items (a request of more is a 400)."""
-    return min(cfg.max_batch * cfg.max_items, cfg.max_queued_items)
-
-
-def reserve_descriptors(cfg: Config, rank: int) -> int:
-    """Make room for every descriptor clients may make this rank hold (the items it has
-    open; at the leader, one lock per queued item too): running out mid-batch would break
-    the group. Refuses a config the hard RLIMIT_NOFILE cannot hold, and raises the soft one
-    to the hard: each client connection costs the leader one more, and nothing bounds how
-    many connect (an outside attack: 4,000 idle connections and a flood, EMFILE 500s).
-    Returns the descriptors needed."""
-    need = open_items_at_most(cfg) + (cfg.max_queued_items if rank == 0 else 0) + FD_RESERVE
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < need:
-        raise ConfigError(f"max_queued_items: rank {rank} may need {need} descriptors "
-                          f"(min(max_batch x max_items, max_queued_items)"
-                          f"{' + max_queued_items' if rank == 0 else ''} + {FD_RESERVE}), RLIMIT_NOFILE allows "
-                          f"{hard}; raise `ulimit -n` or lower max_queued_items, max_batch or max_items")
-    want = need if hard == resource.RLIM_INFINITY else hard  # (an infinite soft limit is refused for files)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    return need
 
 
 def _run_loop(cfg: Config, runner: BatchRunner, lane: Lane, rank: int, world: int) -> int:

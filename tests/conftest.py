@@ -6,6 +6,7 @@ import contextlib
 import os
 import random
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -197,7 +198,9 @@ def bare_router(max_seconds: float = 120):
 class Server:
     """A real ``mmsched serve`` subprocess on a private ipc:// address."""
 
-    def __init__(self, *args: str, tmp_dir: str, env: dict | None = None, ready_timeout: float = 90.0):
+    def __init__(self, *args: str, tmp_dir: str, env: dict | None = None, ready_timeout: float = 90.0,
+                 nofile: int | None = None):
+        """``nofile``: the server's RLIMIT_NOFILE, soft and hard (default: this process's)."""
         self.ready_timeout = ready_timeout
         self.addr = f"ipc:///tmp/mmsched-test-{uuid.uuid4().hex[:10]}.sock"
         self.log_path = os.path.join(tmp_dir, f"server-{uuid.uuid4().hex[:6]}.log")
@@ -207,7 +210,8 @@ class Server:
         clean_env.update(env or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mmsched", "serve", "--frontend", self.addr, *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=clean_env, start_new_session=True)
+            stdout=self._log, stderr=subprocess.STDOUT, env=clean_env, start_new_session=True,
+            preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
 
     def wait_ready(self, timeout: float = 60.0) -> dict:
         deadline = time.monotonic() + timeout

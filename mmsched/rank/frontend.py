@@ -14,9 +14,11 @@ import zmq.asyncio
 
 from ..auth import claim_ipc, ipc_identity, ipc_lost, remove_ipc, restrict_ipc, secure_frontend
 from ..config import Config
+from ..descriptors import connections_at_most
 from ..errors import ConfigError, describe
 from ..log import event
 from ..protocol import INTERNAL, pack, result
+from .connections import ConnectionBound
 
 Handler = Callable[[list], None]
 # plain ints: pyzmq's flag enums cost a few microseconds per operation on the request path
@@ -43,9 +45,11 @@ class Frontend:
         # the newcomer for good, so it would get no reply and its segments would stay linked.
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._auth = secure_frontend(self.ctx, self.sock, cfg)
+        self.connections = ConnectionBound(self.ctx, self.sock, connections_at_most(cfg))  # before the bind
         try:
             self.sock.bind(cfg.frontend)
         except zmq.ZMQError as exc:
+            self.connections.close()
             self.sock.close(linger=0)
             raise ConfigError(f"frontend: cannot bind {cfg.frontend}: {exc}") from exc
         restrict_ipc(cfg.frontend, int(cfg.ipc_mode, 8))
@@ -63,6 +67,7 @@ class Frontend:
         loop = asyncio.get_running_loop()
         fd = self._raw.getsockopt(zmq.FD)
         loop.add_reader(fd, self._check.set)
+        self.connections.start(loop)
         try:
             while True:
                 if not self._raw.get(EVENTS) & POLLIN:
@@ -73,6 +78,7 @@ class Frontend:
                 after()
         finally:
             loop.remove_reader(fd)
+            self.connections.stop(loop)
 
     def send_to_clients(self, client: bytes, header: dict) -> None:
         # Through the sync shadow (the asyncio socket wraps each send in futures). A send
@@ -110,6 +116,7 @@ class Frontend:
         return ipc_lost(self.address, self._bound)
 
     def close(self) -> None:
+        self.connections.close()
         self.sock.close(linger=1000)
         remove_ipc(self.address, self._bound)
         if self._auth is not None:

@@ -48,7 +48,8 @@ class Leader:
         runner.is_aborted, runner.segment_owner = self.core.is_aborted, self.holds.owner
         self.frontend = Frontend(cfg)
         self.status = Status(self.core, self.life, lane, self.frontend.lost, cfg.collective_timeout,
-                             runner.sessions, runner.topology, runner.counters, world)
+                             runner.sessions, runner.topology, runner.counters, world,
+                             self.frontend.connections)
         self._wake, self._stop = asyncio.Event(), asyncio.Event()
         self._now = asyncio.get_running_loop().create_future()  # set by a second signal: stop now
         # role links, bound once
@@ -227,7 +228,8 @@ class Leader:
                 await admin.start()  # can read /health (its start imports aiohttp: ~0.5 s)
             self.life.serve()
             event("serving", frontend=self.cfg.frontend, ranks=self.world, max_batch=self.cfg.max_batch,
-                  gil_switch_us=round(sys.getswitchinterval() * 1e6))  # as set, not as configured
+                  gil_switch_us=round(sys.getswitchinterval() * 1e6),  # as set, not as configured
+                  connections_at_most=self.frontend.connections.at_most)
             tasks = [asyncio.ensure_future(self.frontend.recv_from_clients(self._on_message, self._received)),
                      asyncio.ensure_future(sweep_every(self.cfg.shm_prefix, self.cfg.sweep_grace,
                                                        self.cfg.sweep_interval, self.core.segments, self._reclaimed))]

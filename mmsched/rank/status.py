@@ -10,6 +10,7 @@ from ..metrics import Metrics, RankCounters
 from ..remote import Topology
 from ..sessions import SessionStore
 from .admission import Admission
+from .connections import ConnectionBound
 from .lifecycle import Lifecycle, State
 
 
@@ -36,8 +37,9 @@ class Status:
 
     def __init__(self, core: Admission, life: Lifecycle, lane: Lane, lost: Callable[[], str | None],
                  deadline_s: float, sessions: SessionStore, topology: Topology, counters: RankCounters,
-                 world: int):
+                 world: int, connections: ConnectionBound | None = None):
         self._core, self._life, self._lane, self._lost = core, life, lane, lost
+        self.connections = connections  # the frontend's client connections (None: not counted)
         self._deadline_s, self._counters = deadline_s, counters
         self.sessions, self.topology, self.world = sessions, topology, world
         self.results_sent: dict[int, int] = {}

@@ -202,24 +202,69 @@ def test_a_config_the_descriptor_limit_cannot_hold_is_refused_at_start(tmp_path)
 def test_the_descriptors_reserved_grow_with_a_batch_only_up_to_max_queued_items():
     """A rank has at most max_queued_items items open (admission holds queued and running
     items to it), so the default 256 x 64 per batch must not ask for 16,384 descriptors: the
-    defaults fit a hard limit of 17,408 at the leader, 9,216 at a follower, and one fewer does not."""
+    defaults fit a hard limit of 17,664 at the leader (256 of them client connections),
+    9,216 at a follower, and one fewer does not."""
     import subprocess
     import sys
 
     probe = ("import resource, sys; from mmsched.config import Config; from mmsched.errors import ConfigError\n"
-             "from mmsched.server import reserve_descriptors\n"
+             "from mmsched.descriptors import connections_at_most, reserve_descriptors\n"
              "rank, hard = int(sys.argv[1]), int(sys.argv[2]); resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))\n"
-             "try: print(reserve_descriptors(Config(), rank), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+             "try: print(reserve_descriptors(Config(), rank), resource.getrlimit(resource.RLIMIT_NOFILE)[0], "
+             "connections_at_most(Config()))\n"
              "except ConfigError as exc: print('refused', exc)")
 
     def reserve(rank: int, hard: int) -> str:
         return subprocess.run([sys.executable, "-c", probe, str(rank), str(hard)], capture_output=True, text=True,
                               timeout=60, check=True).stdout.strip()
 
-    assert reserve(0, 17408) == "17408 17408" and reserve(1, 9216) == "9216 9216"
-    assert reserve(0, 20000) == "17408 20000", "the soft limit goes to the hard: room for client connections"
-    assert reserve(0, 17407).startswith("refused max_queued_items: rank 0 may need 17408 descriptors")
+    assert reserve(0, 17664) == "17664 17664 256" and reserve(1, 9216).startswith("9216 9216 ")
+    assert reserve(0, 20000) == "17664 20000 2592", "the soft limit goes to the hard: room for client connections"
+    assert reserve(0, 17663).startswith("refused max_queued_items: rank 0 may need 17664 descriptors")
     assert reserve(1, 9215).startswith("refused max_queued_items: rank 1 may need 9216 descriptors")
+
+
+def test_connections_past_what_the_descriptor_limit_leaves_are_shut_down(tmp_path):
+    """Each client connection costs the leader a descriptor. With room for 300 (a hard limit
+    of 1,452 less 64 + 64 items and the 1,024 reserve), 400 more clients connecting do not
+    take the leader past it (before: one descriptor each, then EMFILE 500s and libzmq
+    spinning a core on the accept): the ones past it are shut down as accepted, a warning
+    says so, a client connected before is served with its own bytes, and once they leave
+    a new client gets in and the descriptors are back where they were."""
+    with Server("--max-queued-items", "64", "--max-batch", "4", tmp_dir=str(tmp_path), nofile=1452) as srv:
+        assert "connections_at_most=300" in srv.logs(), srv.logs()
+        first = dealer(srv.addr)
+        extra, ctx = [], zmq.Context()
+        ctx.max_sockets = 1024
+        try:
+            first.send(msgpack.packb({"v": 1, "type": "ping"}))
+            assert replies(first, 1, 10)[0]["type"] == "pong"
+            base = fds(srv.proc.pid)
+            for _ in range(400):
+                d = ctx.socket(zmq.DEALER)
+                d.setsockopt(zmq.LINGER, 0)
+                d.connect(srv.addr)
+                extra.append(d)
+            wait_until(lambda: "connections_refused" in srv.logs(), 30, "a connections_refused warning")
+            most = max(fds(srv.proc.pid) for _ in range(20) if time.sleep(0.05) is None)
+            print(f"leader descriptors: {base} with one client, at most {most} with 401 connecting")
+            assert most <= base + 299 + 8, f"the leader holds {most - base} more descriptors for 400 connections"
+            data = bytes(range(256)) * 64
+            seg = create_segment(data)
+            seg.sent()
+            first.send(request("r-first", [shm_item(seg, len(data))]))
+            res = replies(first, 1, 20)[0]
+            assert (res["rid"], res["status"]) == ("r-first", 200), res
+            assert res["meta"]["digests"] == [hashlib.sha256(data).hexdigest()]
+            assert gone(seg.name)
+        finally:
+            for d in extra:
+                d.close(linger=0)
+            ctx.term()
+            first.close(linger=0)
+        wait_until(lambda: fds(srv.proc.pid) <= base, 20, f"the leader's descriptors back to {base}")
+        assert sync_ping(srv.addr, 10)["healthy"] is True, "a new client did not get in once the others left"
+        assert "EMFILE" not in srv.logs() and "Too many open files" not in srv.logs()
 
 # ---------------------------------------------------------------- 10 and 8: on one fresh server per tp
 
