@@ -45,7 +45,8 @@ class Frontend:
         # the newcomer for good, so it would get no reply and its segments would stay linked.
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._auth = secure_frontend(self.ctx, self.sock, cfg)
-        self.connections = ConnectionBound(self.ctx, self.sock, connections_at_most(cfg))  # before the bind
+        # before the bind: the monitor reports the listener
+        self.connections = ConnectionBound(self.ctx, self.sock, connections_at_most(cfg), cfg.frontend)
         try:
             self.sock.bind(cfg.frontend)
         except zmq.ZMQError as exc:
@@ -53,6 +54,7 @@ class Frontend:
             self.sock.close(linger=0)
             raise ConfigError(f"frontend: cannot bind {cfg.frontend}: {exc}") from exc
         restrict_ipc(cfg.frontend, int(cfg.ipc_mode, 8))
+        self.connections.start()
         self._bound = ipc_identity(cfg.frontend)  # /health and the stop check the file is still ours
         self._raw = zmq.Socket.shadow(self.sock.underlying)  # sync view: NOBLOCK drains and sends
         self._check = asyncio.Event()  # set: the receiver must look at ZMQ_EVENTS again
@@ -67,18 +69,18 @@ class Frontend:
         loop = asyncio.get_running_loop()
         fd = self._raw.getsockopt(zmq.FD)
         loop.add_reader(fd, self._check.set)
-        self.connections.start(loop)
         try:
             while True:
                 if not self._raw.get(EVENTS) & POLLIN:
                     self._check.clear()
                     await self._check.wait()
                     continue
-                self._read(handle, self.per_read)
+                full = self._read(handle, self.per_read) == self.per_read
                 after()
+                if full:  # more may wait: let the loop form a batch first (a flood would starve it)
+                    await asyncio.sleep(0)
         finally:
             loop.remove_reader(fd)
-            self.connections.stop(loop)
 
     def send_to_clients(self, client: bytes, header: dict) -> None:
         # Through the sync shadow (the asyncio socket wraps each send in futures). A send
@@ -98,22 +100,25 @@ class Frontend:
         while time.monotonic() < deadline and self._raw.poll(int(self.UNREAD_QUIET_S * 1000), zmq.POLLIN):
             self._read(handle, 1024)
 
-    def _read(self, handle: Handler, most: int) -> None:
+    def _read(self, handle: Handler, most: int) -> int:
+        """``handle`` up to ``most`` messages waiting; how many there were."""
         recv = self._raw.recv
-        for _ in range(most):
+        for n in range(most):
             try:
                 frame = recv(NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return n
             frames = [frame]
             while frame.more:  # a message's parts arrive together: the rest is there
                 frame = recv(NOBLOCK, copy=False)
                 frames.append(frame)
             handle(frames)
+        return most
 
     def lost(self) -> str | None:
-        """Why the ipc:// socket file is no longer ours (for /health), or None."""
-        return ipc_lost(self.address, self._bound)
+        """Why the ipc:// socket file is no longer ours (for /health), or None (also while it is
+        unlinked on purpose: the connections are at their bound)."""
+        return None if self.connections.paused else ipc_lost(self.address, self._bound)
 
     def close(self) -> None:
         self.connections.close()
