@@ -126,6 +126,9 @@ class _GroupCollector:
             yield GaugeMetricFamily("mmsched_client_connections_at_most",
                                     "Client connections kept open at most (what RLIMIT_NOFILE leaves)",
                                     value=st.connections.at_most)
+            yield GaugeMetricFamily("mmsched_client_connections_door_shut",
+                                    "1 while new connections wait outside (the bound is full)",
+                                    value=int(st.connections.paused))
             yield CounterMetricFamily("mmsched_client_connections_refused",
                                       "Connections shut down as accepted: at_most were open",
                                       value=st.connections.refused)

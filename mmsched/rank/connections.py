@@ -36,7 +36,7 @@ class ConnectionBound:
     after it. The monitor's queue is unbounded: libzmq blocks the socket's I/O thread on a
     full one (measured: with 2,000 events unread the ROUTER delivered nothing more)."""
 
-    LOG_EVERY_S = 10.0  # refusals are logged at most this often (a client retries every 100 ms)
+    LOG_EVERY_S = 10.0  # each event is logged at most this often (a client retries every 100 ms)
     POLL_S = 0.1
 
     def __init__(self, ctx: zmq.Context, sock: zmq.Socket, at_most: int, address: str):
@@ -45,7 +45,7 @@ class ConnectionBound:
         self.refused = 0
         self.door: _Door = _Door()
         self._address, self._listener = address, None  # (family, port or path) of the bound socket
-        self._unlogged, self._logged_at = 0, -self.LOG_EVERY_S
+        self._log = _Quiet(self.LOG_EVERY_S)
         inproc = f"inproc://mmsched-connections-{next(_ids)}"
         sock.monitor(inproc, ACCEPTED | DISCONNECTED | LISTENING)
         self._pair = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)  # a sync socket, the thread's
@@ -72,7 +72,7 @@ class ConnectionBound:
         except zmq.ZMQError:
             pass
         self.door.discard()
-        self._flush_log()
+        self._log.flush()
         self._pair.close(linger=0)
 
     def _run(self) -> None:
@@ -97,12 +97,10 @@ class ConnectionBound:
                 self._accepted(fd)
         if len(self.open) >= self.at_most and not self.door.shut:
             self.door.close()
-            event("connections_full", logging.WARNING, open=len(self.open), at_most=self.at_most,
-                  why="RLIMIT_NOFILE leaves room for at most at_most connections: new ones wait")
+            self._log.note("connections_full", logging.WARNING, open=len(self.open), at_most=self.at_most)
         elif len(self.open) <= self.reopen_at and self.door.shut:
             self.door.open()
-            self._flush_log()
-            event("connections_open", open=len(self.open), at_most=self.at_most)
+            self._log.note("connections_open", logging.INFO, open=len(self.open), at_most=self.at_most)
 
     def _accepted(self, fd: int) -> None:
         if len(self.open) < self.at_most:
@@ -110,15 +108,36 @@ class ConnectionBound:
         elif self._listener is not None and _local_name(fd) == self._listener:  # still a frontend connection
             _shut_down(fd)
             self.refused += 1
-            self._unlogged += 1
-            if time.monotonic() - self._logged_at >= self.LOG_EVERY_S:
-                self._flush_log()
+            self._log.note("connections_refused", logging.WARNING, open=len(self.open), at_most=self.at_most)
 
-    def _flush_log(self) -> None:
-        if self._unlogged:
-            event("connections_refused", logging.WARNING, refused=self._unlogged, open=len(self.open),
-                  at_most=self.at_most)
-            self._unlogged, self._logged_at = 0, time.monotonic()
+
+class _Quiet:
+    """Each event at most once per ``every_s``, saying how many ``times`` it happened since its
+    last line: clients can make the door swing and connections be refused many times a second."""
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self.times: dict[str, int] = {}
+        self.logged_at: dict[str, float] = {}
+        self.last: dict[str, tuple] = {}  # name: (level, fields) of its latest occurrence
+
+    def note(self, name: str, level: int, **fields) -> None:
+        self.times[name] = self.times.get(name, 0) + 1
+        self.last[name] = (level, fields)
+        now = time.monotonic()
+        if now - self.logged_at.get(name, -self.every_s) >= self.every_s:
+            self._emit(name)
+            self.logged_at[name] = now
+
+    def flush(self) -> None:
+        for name in list(self.times):
+            self._emit(name)
+
+    def _emit(self, name: str) -> None:
+        n = self.times.pop(name, 0)
+        if n:
+            level, fields = self.last[name]
+            event(name, level, times=n, **fields)
 
 
 class _Door:

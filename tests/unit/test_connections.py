@@ -101,3 +101,21 @@ def test_the_door_shuts_at_the_bound_and_opens_as_clients_leave(router):
         d.close(linger=0)
     assert until(lambda: not bound.open), f"{bound.open} still counted after every client left"
     assert door_open(addr)
+
+
+def test_a_door_swinging_many_times_a_second_is_a_few_log_lines(monkeypatch):
+    """Clients can make the door shut and open, and connections be refused, many times a
+    second: each event is one line per LOG_EVERY_S, counting the times since its last."""
+    from mmsched.rank import connections
+
+    lines = []
+    monkeypatch.setattr(connections, "event", lambda name, level, **f: lines.append((name, f["times"])))
+    quiet = connections._Quiet(every_s=60)
+    for _ in range(500):
+        quiet.note("connections_full", 30, open=300, at_most=300)
+        quiet.note("connections_open", 20, open=270, at_most=300)
+    assert lines == [("connections_full", 1), ("connections_open", 1)]
+    quiet.flush()
+    assert lines[2:] == [("connections_full", 499), ("connections_open", 499)]
+    quiet.flush()
+    assert len(lines) == 4, "a flush with nothing new logged again"
