@@ -3,19 +3,19 @@ of descriptors is fatal: libzmq aborts the process on an ipc:// accept that fail
 EMFILE (and spins a core on a tcp:// one), while the leader's own reads fail too.
 
 A thread reads a socket monitor (each connection accepted and gone, by descriptor), so
-the count keeps up however busy the loop is. At ``at_most`` it shuts the door (an ipc://
-socket file is unlinked, kept by a hidden hard link; a tcp:// listener drops new SYNs
-through a socket filter) and shuts down any connection accepted past it; at 90% it opens
-the door again. A client kept out retries on its own (ZeroMQ reconnects) and gets in then.
+the count keeps up however busy the loop is. At ``at_most`` it shuts the door (libzmq's
+I/O thread stops accepting: ``_AcceptPause``) and shuts down any connection accepted past
+it; at 90% it opens the door again. A client kept out retries on its own (ZeroMQ
+reconnects) and gets in then. Nothing at the socket's address changes meanwhile.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import itertools
 import logging
 import os
+import platform
 import socket
 import threading
 import time
@@ -39,12 +39,12 @@ class ConnectionBound:
     LOG_EVERY_S = 10.0  # each event is logged at most this often (a client retries every 100 ms)
     POLL_S = 0.1
 
-    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, at_most: int, address: str):
+    def __init__(self, ctx: zmq.Context, sock: zmq.Socket, at_most: int):
         self.at_most, self.reopen_at = at_most, at_most - max(1, at_most // 10)
         self.open: set[int] = set()  # descriptors of the connections accepted and not gone
         self.refused = 0
         self.door: _Door = _Door()
-        self._address, self._listener = address, None  # (family, port or path) of the bound socket
+        self._listener = None  # (family, port or path) of the bound socket
         self._log = _Quiet(self.LOG_EVERY_S)
         inproc = f"inproc://mmsched-connections-{next(_ids)}"
         sock.monitor(inproc, ACCEPTED | DISCONNECTED | LISTENING)
@@ -62,8 +62,8 @@ class ConnectionBound:
         self._thread.start()
 
     def close(self) -> None:
-        """Before the socket closes: stop the thread; the door stays shut (opened now, it would
-        let in a crowd the thread no longer bounds), its hidden link removed."""
+        """Before the socket closes: stop the thread; the door stays as it is (opened now, it
+        would let in a crowd the thread no longer bounds)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5 * self.POLL_S + 1.0)
@@ -71,7 +71,6 @@ class ConnectionBound:
             self._sock.disable_monitor()
         except zmq.ZMQError:
             pass
-        self.door.discard()
         self._log.flush()
         self._pair.close(linger=0)
 
@@ -90,7 +89,7 @@ class ConnectionBound:
         for i, ev in enumerate(events):
             kind, fd = int(ev["event"]), ev["value"]
             if kind == LISTENING:
-                self._listener, self.door = _local_name(fd), _door_for(self._address, fd)
+                self._listener, self.door = _local_name(fd), _door_for(fd)
             elif kind == DISCONNECTED:
                 self.open.discard(fd)
             elif kind == ACCEPTED and gone_at.get(fd, -1) < i:
@@ -141,7 +140,8 @@ class _Quiet:
 
 
 class _Door:
-    """Where new connections come in: nothing to shut (a Linux abstract ipc:// address)."""
+    """Where new connections come in. This one shuts nothing: the listener was not found in
+    libzmq's epoll set (``connections_door_failed`` said why); the shutdowns still bound."""
 
     shut = False
 
@@ -151,92 +151,59 @@ class _Door:
     def open(self) -> None:
         pass
 
-    def discard(self) -> None:
-        """The socket is closing: leave nothing behind."""
 
+class _AcceptPause(_Door):
+    """libzmq's I/O thread accepts whenever its epoll set reports the listener readable, and
+    has no bound of its own. While shut, the listener's entry in that set asks for no events
+    (``epoll_ctl`` is safe from any thread; the entry is found in /proc/self/fdinfo, matched
+    by descriptor and inode): the connections already open go on, new ones wait in the
+    kernel's backlog (ZMQ_BACKLOG, 100), then fail with EAGAIN (ipc://) or unanswered SYNs
+    (tcp://), and their clients retry. Opened, the entry is as libzmq made it."""
 
-class _SocketFile(_Door):
-    """An ipc:// socket file: unlinked while shut (connects fail with ENOENT), its inode kept by
-    a hidden hard link and linked back (a connect finds the socket by its inode)."""
-
-    def __init__(self, path: str):
-        self.path, self.hidden = path, f"{path}.full-{os.getpid()}"
-
-    def close(self) -> None:
-        try:
-            with contextlib.suppress(OSError):
-                os.unlink(self.hidden)  # one left by a server killed while full
-            os.link(self.path, self.hidden)
-            os.unlink(self.path)
-            self.shut = True
-        except OSError as exc:
-            event("connections_door_failed", logging.WARNING, path=self.path, error=str(exc))
-
-    def open(self) -> None:
-        if not self.shut:
-            return
-        self.shut = False
-        try:
-            os.link(self.hidden, self.path)  # fails if another file took the path meanwhile: /health says so
-        except OSError as exc:
-            event("connections_door_failed", logging.WARNING, path=self.path, error=str(exc))
-        with contextlib.suppress(OSError):
-            os.unlink(self.hidden)
-
-    def discard(self) -> None:
-        if self.shut:
-            with contextlib.suppress(OSError):
-                os.unlink(self.hidden)
-
-
-class _SynFilter(_Door):
-    """A tcp:// listener: a socket filter that drops every packet while shut, so new SYNs go
-    unanswered (the client's TCP retries them) and nothing more is accepted."""
-
-    SO_ATTACH_FILTER, SO_DETACH_FILTER = 26, 27
-
-    def __init__(self, fd: int):
-        self.fd = fd
+    def __init__(self, epfd: int, fd: int, events: int, data: int):
+        self.epfd, self.fd, self.events, self.data = epfd, fd, events, data
 
     def close(self) -> None:
-        self.shut = self._setsockopt(self.SO_ATTACH_FILTER, bytes(_DROP_ALL))
+        self.shut = self._modify(0)
 
     def open(self) -> None:
         if self.shut:
-            self.shut = not self._setsockopt(self.SO_DETACH_FILTER, b"\0" * 4)
+            self.shut = not self._modify(self.events)
 
-    def _setsockopt(self, opt: int, value: bytes) -> bool:
-        try:
-            s = socket.socket(fileno=self.fd)
-        except OSError:
-            return False
-        try:
-            s.setsockopt(socket.SOL_SOCKET, opt, value)
+    def _modify(self, events: int) -> bool:
+        entry = _EpollEvent(events, self.data)
+        if _libc.epoll_ctl(self.epfd, 3, self.fd, ctypes.byref(entry)) == 0:  # EPOLL_CTL_MOD
             return True
-        except OSError as exc:
-            event("connections_door_failed", logging.WARNING, fd=self.fd, error=str(exc))
-            return False
-        finally:
-            s.detach()
+        event("connections_door_failed", logging.WARNING, error=os.strerror(ctypes.get_errno()))
+        return False
 
 
-class _Filter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+class _EpollEvent(ctypes.Structure):
+    _pack_ = 1 if platform.machine() == "x86_64" else 0  # the kernel's struct epoll_event is packed there
+    _fields_ = [("events", ctypes.c_uint32), ("data", ctypes.c_uint64)]
 
 
-class _Program(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_Filter))]
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
-_RET_ZERO = (_Filter * 1)(_Filter(0x06, 0, 0, 0))  # BPF_RET | BPF_K, 0: keep no byte of any packet
-_DROP_ALL = _Program(1, _RET_ZERO)
-
-
-def _door_for(address: str, listener_fd: int) -> _Door:
-    if address.startswith("tcp://"):
-        return _SynFilter(listener_fd)
-    if address.startswith("ipc://") and not address.startswith("ipc://@"):
-        return _SocketFile(address[len("ipc://"):])
+def _door_for(listener_fd: int) -> _Door:
+    """The listener's entry in libzmq's epoll set, as a door; a door that shuts nothing if none."""
+    try:
+        inode = os.fstat(listener_fd).st_ino
+    except OSError as exc:
+        event("connections_door_failed", logging.WARNING, error=str(exc))
+        return _Door()
+    for name in os.listdir("/proc/self/fdinfo"):
+        try:
+            with open(f"/proc/self/fdinfo/{name}") as fh:
+                lines = fh.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:  # "tfd: 12 events: 19 data: 7ff860000b70 pos:0 ino:12e59c4 sdev:9"
+            f = line.split()
+            if f[:1] == ["tfd:"] and int(f[1]) == listener_fd and f"ino:{inode:x}" in f:
+                return _AcceptPause(int(name), listener_fd, int(f[3], 16), int(f[5], 16))
+    event("connections_door_failed", logging.WARNING, error="the listener is in no epoll set of this process")
     return _Door()
 
 

@@ -46,7 +46,7 @@ class Frontend:
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._auth = secure_frontend(self.ctx, self.sock, cfg)
         # before the bind: the monitor reports the listener
-        self.connections = ConnectionBound(self.ctx, self.sock, connections_at_most(cfg), cfg.frontend)
+        self.connections = ConnectionBound(self.ctx, self.sock, connections_at_most(cfg))
         try:
             self.sock.bind(cfg.frontend)
         except zmq.ZMQError as exc:
@@ -116,9 +116,8 @@ class Frontend:
         return most
 
     def lost(self) -> str | None:
-        """Why the ipc:// socket file is no longer ours (for /health), or None (also while it is
-        unlinked on purpose: the connections are at their bound)."""
-        return None if self.connections.paused else ipc_lost(self.address, self._bound)
+        """Why the ipc:// socket file is no longer ours (for /health), or None."""
+        return ipc_lost(self.address, self._bound)
 
     def close(self) -> None:
         self.connections.close()
