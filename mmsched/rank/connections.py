@@ -16,16 +16,18 @@ import itertools
 import logging
 import os
 import platform
+import resource
 import socket
+import struct
 import threading
 import time
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from ..log import event
 
 ACCEPTED, DISCONNECTED, LISTENING = int(zmq.EVENT_ACCEPTED), int(zmq.EVENT_DISCONNECTED), int(zmq.EVENT_LISTENING)
+NOBLOCK = int(zmq.NOBLOCK)
 _ids = itertools.count()
 
 
@@ -38,11 +40,14 @@ class ConnectionBound:
 
     LOG_EVERY_S = 10.0  # each event is logged at most this often (a client retries every 100 ms)
     POLL_S = 0.1
+    CHUNK = 4096  # events applied at once
+    FD_MARGIN = 512  # descriptors short of the limit at which the door shuts whatever the count
 
     def __init__(self, ctx: zmq.Context, sock: zmq.Socket, at_most: int):
         self.at_most, self.reopen_at = at_most, at_most - max(1, at_most // 10)
         self.open: set[int] = set()  # descriptors of the connections accepted and not gone
         self.refused = 0
+        self.fd_limit, self.low = resource.getrlimit(resource.RLIMIT_NOFILE)[0], False
         self.door: _Door = _Door()
         self._listener = None  # (family, port or path) of the bound socket
         self._log = _Quiet(self.LOG_EVERY_S)
@@ -75,29 +80,54 @@ class ConnectionBound:
         self._pair.close(linger=0)
 
     def _run(self) -> None:
+        checked = 0.0
         while not self._stop.is_set():
             if self._pair.poll(int(self.POLL_S * 1000)):
                 self.drain()
+            if time.monotonic() - checked >= self.POLL_S:
+                checked = time.monotonic()
+                self._check_descriptors()
+            self._swing()
 
     def drain(self) -> None:
-        """Apply every event waiting. An accepted descriptor reported gone in the same read
-        is skipped: libzmq may have given its number to another file since."""
+        """Apply up to CHUNK events waiting (a stream of them must not keep the door from being
+        seen to). An accepted descriptor reported gone in the same read is skipped: libzmq may
+        have given its number to another file since."""
         events = []
-        while self._pair.poll(0):
-            events.append(parse_monitor_message(self._pair.recv_multipart()))
-        gone_at = {ev["value"]: i for i, ev in enumerate(events) if int(ev["event"]) == DISCONNECTED}
-        for i, ev in enumerate(events):
-            kind, fd = int(ev["event"]), ev["value"]
+        for _ in range(self.CHUNK):
+            try:
+                head = self._pair.recv(NOBLOCK)
+                self._pair.recv(NOBLOCK)  # the endpoint
+            except zmq.Again:
+                break
+            events.append(struct.unpack_from("=HI", head))  # event, value (the descriptor)
+        gone_at = {fd: i for i, (kind, fd) in enumerate(events) if kind == DISCONNECTED}
+        for i, (kind, fd) in enumerate(events):
             if kind == LISTENING:
                 self._listener, self.door = _local_name(fd), _door_for(fd)
             elif kind == DISCONNECTED:
                 self.open.discard(fd)
             elif kind == ACCEPTED and gone_at.get(fd, -1) < i:
                 self._accepted(fd)
-        if len(self.open) >= self.at_most and not self.door.shut:
+        self._swing()
+
+    def _check_descriptors(self) -> None:
+        """The truth behind the count: the process's open descriptors (admin HTTP connections,
+        a count behind its events). Within FD_MARGIN of the limit the door shuts as well."""
+        try:
+            n = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            return
+        self.low = n >= self.fd_limit - self.FD_MARGIN
+        if self.low:
+            self._log.note("descriptors_low", logging.WARNING, open_descriptors=n, limit=self.fd_limit)
+
+    def _swing(self) -> None:
+        full = len(self.open) >= self.at_most or self.low
+        if full and not self.door.shut:
             self.door.close()
             self._log.note("connections_full", logging.WARNING, open=len(self.open), at_most=self.at_most)
-        elif len(self.open) <= self.reopen_at and self.door.shut:
+        elif self.door.shut and len(self.open) <= self.reopen_at and not self.low:
             self.door.open()
             self._log.note("connections_open", logging.INFO, open=len(self.open), at_most=self.at_most)
 
