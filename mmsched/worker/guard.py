@@ -21,14 +21,15 @@ BUSY = json.dumps({"error": {"message": "worker busy: too many open connections"
 class Guard:
     """The protocol factory for ``loop.create_server``, plus the middleware that marks headers read."""
 
-    def __init__(self, max_connections: int, header_timeout: float):
+    def __init__(self, max_connections: int, header_timeout: float, busy: bytes = BUSY):
         self.server: web.Server | None = None  # the runner's, once it is set up
+        self.busy = busy  # the JSON body of the 503
         self.max_connections, self.header_timeout = max_connections, header_timeout
         self.waiting: set = set()  # connections whose first request has not reached a handler
 
     def __call__(self) -> asyncio.Protocol:
         if self._num_open() >= self.max_connections:
-            return _Refuse()
+            return _Refuse(self.busy)
         proto = self.server()
         self.waiting.add(proto)
         asyncio.get_running_loop().call_later(self.header_timeout, self._expire, proto)
@@ -53,7 +54,10 @@ class Guard:
 class _Refuse(asyncio.Protocol):
     """A connection over the bound: one JSON 503, then closed."""
 
+    def __init__(self, busy: bytes):
+        self.busy = busy
+
     def connection_made(self, transport) -> None:
         transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(BUSY), BUSY))
+                        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(self.busy), self.busy))
         transport.close()

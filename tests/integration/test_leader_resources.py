@@ -25,7 +25,7 @@ import zmq
 from mmsched.client import Client, raw, ref, shm
 from mmsched.producers import create_segment
 
-from ..conftest import Server, shm_segments, sync_ping
+from ..conftest import Server, free_port, shm_segments, sync_ping
 from .lifecycle import expect, feature, my_segments, sha256_of, wait_until
 
 
@@ -342,6 +342,32 @@ def test_a_flood_on_one_connection_does_not_starve_the_others(solo):
         flood.close(linger=0)
         other.close(linger=0)
         ctx.term()
+
+def test_idle_admin_connections_are_bounded(tmp_path):
+    """Each admin HTTP connection is a descriptor of the leader's too (an outside attack: 1,600
+    idle ones took it to its limit, then a ZeroMQ accept aborted it). Past 64 open, one is
+    answered 503 and closed; the leader's descriptors stay near where they were."""
+    import socket
+
+    port = free_port()
+    with Server("--admin", f"127.0.0.1:{port}", tmp_dir=str(tmp_path)) as srv:
+        base, held = fds(srv.proc.pid), []
+        try:
+            for _ in range(200):
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            time.sleep(1.0)
+            grown = fds(srv.proc.pid) - base
+            late = socket.create_connection(("127.0.0.1", port), timeout=5)
+            late.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = late.recv(4096)
+            late.close()
+        finally:
+            for s in held:
+                s.close()
+        assert grown <= 64 + 8, f"200 idle admin connections cost the leader {grown} descriptors"
+        assert answer.startswith(b"HTTP/1.1 503") and b"admin busy" in answer, answer
+        wait_until(lambda: fds(srv.proc.pid) <= base + 2, 20, "the leader's descriptors back")
+        assert sync_ping(srv.addr, 5)["healthy"] is True
 
 # ---------------------------------------------------------------- 10 and 8: on one fresh server per tp
 
