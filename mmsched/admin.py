@@ -7,6 +7,7 @@ The view it serves only needs ``health()`` and ``metrics.render()``.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import TYPE_CHECKING
 
@@ -50,15 +51,12 @@ class AdminServer:
         self._site = None
 
     async def start(self) -> None:
-        import asyncio
-
         from aiohttp import web  # here: only a leader serving --admin pays for importing aiohttp
 
         from .worker.guard import Guard
 
         host, port = parse_address(self.address)
-        guard = Guard(self.MAX_CONNECTIONS, self.HEADER_S,
-                      busy=b'{"error": {"message": "admin busy: too many open connections", "code": 503}}')
+        guard = Guard(self.MAX_CONNECTIONS, self.HEADER_S, who="admin")
         app = web.Application(client_max_size=8192, middlewares=[guard.middleware])
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)

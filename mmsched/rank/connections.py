@@ -83,13 +83,13 @@ class ConnectionBound:
         checked, every = 0.0, self.POLL_S
         while not self._stop.is_set():
             if self._pair.poll(int(self.POLL_S * 1000)):
-                self.drain()
+                self._drain()
             if time.monotonic() - checked >= every:
                 checked = time.monotonic()
                 every = self._check_descriptors()
             self._swing()
 
-    def drain(self) -> None:
+    def _drain(self) -> None:
         """Apply up to CHUNK events waiting (a stream of them must not keep the door from being
         seen to). An accepted descriptor reported gone in the same read is skipped: libzmq may
         have given its number to another file since."""
@@ -109,7 +109,6 @@ class ConnectionBound:
                 self.open.discard(fd)
             elif kind == ACCEPTED and gone_at.get(fd, -1) < i:
                 self._accepted(fd)
-        self._swing()
 
     def _check_descriptors(self) -> float:
         """The truth behind the count: the process's open descriptors (admin HTTP connections,
@@ -137,8 +136,7 @@ class ConnectionBound:
     def _accepted(self, fd: int) -> None:
         if len(self.open) < self.at_most:
             self.open.add(fd)
-        elif self._listener is not None and _local_name(fd) == self._listener:  # still a frontend connection
-            _shut_down(fd)
+        elif self._listener is not None and _shut_down_if(fd, self._listener):
             self.refused += 1
             self._log.note("connections_refused", logging.WARNING, open=len(self.open), at_most=self.at_most)
 
@@ -247,23 +245,29 @@ def _local_name(fd: int) -> tuple | None:
     except OSError:
         return None
     try:
-        name = s.getsockname()
-        return (s.family, name[1] if s.family in (socket.AF_INET, socket.AF_INET6) else name)
-    except OSError:
-        return None
+        return _name_of(s)
     finally:
         s.detach()  # the descriptor stays libzmq's
 
 
-def _shut_down(fd: int) -> None:
-    """End the connection (libzmq sees it close, closes its descriptor and reports it gone)."""
+def _shut_down_if(fd: int, listener: tuple) -> bool:
+    """End the connection on ``fd`` if it is still one of ``listener``'s (libzmq sees it close,
+    closes its descriptor and reports it gone); whether it was."""
     try:
         s = socket.socket(fileno=fd)
     except OSError:
-        return  # closed meanwhile
+        return False  # closed meanwhile
     try:
+        if _name_of(s) != listener:
+            return False
         s.shutdown(socket.SHUT_RDWR)
+        return True
     except OSError:
-        pass  # already gone
+        return False  # already gone
     finally:
         s.detach()
+
+
+def _name_of(s: socket.socket) -> tuple:
+    name = s.getsockname()
+    return (s.family, name[1] if s.family in (socket.AF_INET, socket.AF_INET6) else name)

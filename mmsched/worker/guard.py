@@ -15,15 +15,14 @@ import json
 
 from aiohttp import web
 
-BUSY = json.dumps({"error": {"message": "worker busy: too many open connections", "code": 503}}).encode()
 
 
 class Guard:
     """The protocol factory for ``loop.create_server``, plus the middleware that marks headers read."""
 
-    def __init__(self, max_connections: int, header_timeout: float, busy: bytes = BUSY):
+    def __init__(self, max_connections: int, header_timeout: float, who: str = "worker"):
         self.server: web.Server | None = None  # the runner's, once it is set up
-        self.busy = busy  # the JSON body of the 503
+        self.busy = json.dumps({"error": {"message": f"{who} busy: too many open connections", "code": 503}}).encode()
         self.max_connections, self.header_timeout = max_connections, header_timeout
         self.waiting: set = set()  # connections whose first request has not reached a handler
 
