@@ -51,6 +51,7 @@ class Config:
     shutdown_timeout: float = _opt(30.0, "seconds a SIGTERM drain may finish in-flight work", 0, 86400)
     torch_threads: int = _opt(1, "torch intra-op threads per rank (ranks only move data)", 1, 1024)
     sched_slice_us: int = _opt(100, "scheduler time slice asked for each rank thread, in us (Linux 6.12+: a woken collective thread runs sooner); 0 leaves the kernel's", 0, 100000)
+    cpu_affinity: str = _opt("spread", "spread: each rank on this host runs on its own share of the CPUs the process may use (rank 0 the first run of them); off: the scheduler places them", choices=("spread", "off"))
     gil_switch_us: int = _opt(500, "how long a rank thread waiting for the GIL (one woken from a collective) waits before the running thread must let go, in us (sys.setswitchinterval; Python's default is 5000)", 100, 100000)
     log_format: str = _opt("text", "log line format", choices=("text", "json"))
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import log
+from .affinity import pin_rank, ranges
 from .batch import BatchRunner
 from .config import Config
 from .descriptors import reserve_descriptors
@@ -100,8 +101,13 @@ def make_lane(cfg: Config) -> Lane:
 
 
 def _prepare_process(cfg: Config, rank: int) -> None:
-    """Logging, torch threads, signals (followers leave the decision to the leader), the launcher's death."""
+    """Logging, CPUs, torch threads, signals (followers leave the decision to the leader), the launcher's death."""
     log.setup(rank, cfg.log_format, cfg.log_level)
+    pinned = pin_rank(cfg.cpu_affinity)  # first: the threads started from here on inherit it
+    if isinstance(pinned, str):
+        event("cpu_affinity_refused", logging.WARNING, reason=pinned)
+    elif pinned is not None:
+        event("rank_cpus", cpus=ranges(pinned))
     torch.set_num_threads(cfg.torch_threads)
     # A thread woken from a collective (the lane, out of gloo or the ring) needs the GIL back
     # from the loop thread, which gives it up only every switch interval while it decodes or

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import uuid
 import pytest
 import torch
 
+from mmsched.affinity import ranges
 from mmsched.client import Client, raw, shm
 from mmsched.producers import create_segment
 from tests.conftest import Server, fd_targets, pid_alive, sync_ping
@@ -285,6 +287,38 @@ def test_the_serving_event_says_which_gil_switch_interval_the_leader_runs_with(s
     srv = start_server(env={"MMSCHED_GIL_SWITCH_US": "250"})
     line = next(l for l in srv.logs().splitlines() if "serving" in l and "frontend=" in l)
     assert "gil_switch_us=250" in line, line
+
+
+def _cpus_of_threads(pid: int) -> set[str]:
+    """Every thread's ``Cpus_allowed_list`` (as /proc writes it: ``0-3,6``)."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as fh:
+            out.update(l.split(":", 1)[1].strip() for l in fh if l.startswith("Cpus_allowed_list:"))
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to share")
+@pytest.mark.parametrize("mode", ["spread", "off"])
+def test_each_rank_of_a_group_runs_on_its_own_cpus(start_server, mode):
+    """tp=2 on this host's CPUs: with ``spread`` every thread of rank 0 (its loop, lane, gloo's and
+    ZeroMQ's threads) runs on the first half and rank 1's on the second, as each rank logs;
+    with ``off`` the scheduler places them anywhere. Served either way, with the right bytes."""
+    srv = start_server("--tp", "2", "--cpu-affinity", mode)
+    allowed = sorted(os.sched_getaffinity(0))
+    half = len(allowed) // 2
+    want = [ranges(allowed[:half]), ranges(allowed[half:])] if mode == "spread" else [ranges(allowed)] * 2
+    assert [_cpus_of_threads(p) for p in srv.rank_pids()] == [{want[0]}, {want[1]}]
+    logged = re.findall(r"\[rank(\d)\] rank_cpus cpus=(\S+)", srv.logs())
+    assert sorted(logged) == ([("0", want[0]), ("1", want[1])] if mode == "spread" else []), srv.logs()
+    feature = torch.randint(0, 256, (64, 64), dtype=torch.uint8)
+
+    async def one():
+        async with Client(srv.addr) as c:
+            return await c.embed(list(range(32)), [shm(feature)], want_digest=True)
+    res = asyncio.run(one())
+    assert res.status == 200, res
+    assert res.meta.get("digests") == [hashlib.sha256(feature.numpy().tobytes()).hexdigest()], res.meta
 
 
 def _tcp_listeners() -> dict[tuple[str, int], str]:
