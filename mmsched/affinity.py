@@ -41,16 +41,25 @@ def pin_rank(mode: str, env: dict | os._Environ = os.environ) -> list[int] | str
         return None
     if not hasattr(os, "sched_setaffinity"):
         return "no sched_setaffinity on this system"
-    mine = share(sorted(os.sched_getaffinity(0)), local_rank, local_world)
+    allowed = os.sched_getaffinity(0)
+    mine = share(sorted(allowed), local_rank, local_world)
     try:
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), mine)
-            except ProcessLookupError:  # that thread ended meanwhile
-                pass
+        _set_threads(mine)
     except OSError as exc:
-        return f"sched_setaffinity {mine}: {exc.strerror}"
+        try:
+            _set_threads(allowed)  # all or nothing: no thread left on a share the log does not name
+        except OSError:
+            pass
+        return f"sched_setaffinity {ranges(mine)}: {exc.strerror}"
     return mine
+
+
+def _set_threads(cpus) -> None:
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:  # that thread ended meanwhile
+            pass
 
 
 def ranges(cpus: list[int]) -> str:

@@ -62,3 +62,22 @@ def test_a_pinned_rank_moves_the_threads_it_already_has_and_those_it_starts_late
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == [want] * 4, out.stdout  # returned, main thread, early, late
+
+
+def test_a_refused_pin_leaves_every_thread_where_it_was(monkeypatch):
+    """All or nothing: a thread refused its share (EINVAL, say, a CPU gone from the cpuset)
+    must not leave the threads before it on a share the log does not name."""
+    allowed = {0, 1, 2, 3}
+    calls: list[tuple[int, frozenset]] = []
+
+    def setaffinity(tid, cpus):
+        calls.append((tid, frozenset(cpus)))
+        if frozenset(cpus) != allowed and len(calls) == 2:
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(allowed))
+    monkeypatch.setattr(os, "sched_setaffinity", setaffinity)
+    monkeypatch.setattr(os, "listdir", lambda path: ["100", "101", "102"])
+    why = pin_rank("spread", {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert why == "sched_setaffinity 2-3: Invalid argument"
+    assert calls[-3:] == [(t, frozenset(allowed)) for t in (100, 101, 102)]
