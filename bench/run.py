@@ -82,7 +82,7 @@ class Proc:
         self.addr = f"ipc:///tmp/mmbench-{name}-{uuid.uuid4().hex[:8]}.sock"
         self.log_path = os.path.join(log_dir, f"{name}.log")
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith("MMSCHED_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+               if not k.startswith("MMSCHED_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, *argv, *self._addr_args()], stdout=log,
                                          stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT)

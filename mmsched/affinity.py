@@ -30,14 +30,22 @@ def share(cpus: list[int], local_rank: int, local_world: int) -> list[int]:
     return cpus[local_rank * n // local_world: (local_rank + 1) * n // local_world]
 
 
-def pin_rank(mode: str, env: dict | os._Environ = os.environ) -> list[int] | str | None:
-    """Apply ``cpu_affinity``: the CPUs this rank now runs on, None when left alone (``off``,
-    one rank on the host, no local rank known), or why it could not (a string)."""
+def pin_rank(mode: str, world: int, env: dict | os._Environ = os.environ) -> list[int] | str | None:
+    """Apply ``cpu_affinity`` to a rank of a group of ``world``: the CPUs it now runs on, None
+    when left alone (``off``, a server of one, a rank alone on its host), or why not (a string:
+    also for a local rank the environment gives wrongly, which would otherwise share CPUs)."""
+    if mode == "off" or world <= 1:  # a server of one: LOCAL_* left over in its environment mean nothing
+        return None
+    given = env.get("LOCAL_RANK"), env.get("LOCAL_WORLD_SIZE")
+    if given == (None, None):
+        return "LOCAL_RANK and LOCAL_WORLD_SIZE are not set (mmsched serve and torchrun set them)"
     try:
-        local_rank, local_world = int(env.get("LOCAL_RANK", "")), int(env.get("LOCAL_WORLD_SIZE", ""))
+        local_rank, local_world = int(given[0] or ""), int(given[1] or "")
     except ValueError:
-        return None  # not started by the launcher or torchrun: nothing to share with
-    if mode == "off" or local_world <= 1 or not 0 <= local_rank < local_world:
+        local_rank = local_world = -1
+    if not (1 <= local_world <= world and 0 <= local_rank < local_world):
+        return f"LOCAL_RANK={given[0]!r:.24} LOCAL_WORLD_SIZE={given[1]!r:.24} is not a rank of this host's share of {world}"
+    if local_world == 1:
         return None
     if not hasattr(os, "sched_setaffinity"):
         return "no sched_setaffinity on this system"

@@ -40,7 +40,7 @@ from .transport import Transports
 
 def run_rank(cfg: Config, rank: int, world: int) -> int:
     """Run one rank to completion; returns its exit code (0 clean, 3 group broken)."""
-    _prepare_process(cfg, rank)
+    _prepare_process(cfg, rank, world)
     try:
         reserve_descriptors(cfg, rank)
     except ConfigError as exc:
@@ -100,10 +100,10 @@ def make_lane(cfg: Config) -> Lane:
     return Lane(cfg.collective_timeout, on_start=lambda: torch.set_num_threads(cfg.torch_threads))
 
 
-def _prepare_process(cfg: Config, rank: int) -> None:
+def _prepare_process(cfg: Config, rank: int, world: int = 1) -> None:
     """Logging, CPUs, torch threads, signals (followers leave the decision to the leader), the launcher's death."""
     log.setup(rank, cfg.log_format, cfg.log_level)
-    pinned = pin_rank(cfg.cpu_affinity)  # first: the threads started from here on inherit it
+    pinned = pin_rank(cfg.cpu_affinity, world)  # first: the threads started from here on inherit it
     if isinstance(pinned, str):
         event("cpu_affinity_refused", logging.WARNING, reason=pinned)
     elif pinned is not None:

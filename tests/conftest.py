@@ -206,7 +206,7 @@ class Server:
         self.log_path = os.path.join(tmp_dir, f"server-{uuid.uuid4().hex[:6]}.log")
         self._log = open(self.log_path, "wb")
         clean_env = {k: v for k, v in os.environ.items()
-                     if not k.startswith("MMSCHED_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+                     if not k.startswith("MMSCHED_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
         clean_env.update(env or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mmsched", "serve", "--frontend", self.addr, *args],

@@ -321,6 +321,14 @@ def test_each_rank_of_a_group_runs_on_its_own_cpus(start_server, mode):
     assert res.meta.get("digests") == [hashlib.sha256(feature.numpy().tobytes()).hexdigest()], res.meta
 
 
+def test_a_server_of_one_keeps_every_cpu_whatever_local_rank_its_environment_holds(start_server):
+    """tp=1 started from a shell or container an outer torchrun set up: its LOCAL_RANK and
+    LOCAL_WORLD_SIZE name no group of ours, and must not cost the server half the machine."""
+    srv = start_server(env={"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert _cpus_of_threads(srv.proc.pid) == {ranges(sorted(os.sched_getaffinity(0)))}
+    assert "rank_cpus" not in srv.logs() and "cpu_affinity_refused" not in srv.logs(), srv.logs()
+
+
 def _tcp_listeners() -> dict[tuple[str, int], str]:
     """Every listening TCP socket on this host (IPv4 and IPv6): (address, port) -> socket inode."""
     out = {}

@@ -30,11 +30,23 @@ def test_a_rank_alone_on_its_host_keeps_every_cpu():
     assert share(CPUS, 0, 1) == CPUS
 
 
-def test_nothing_is_pinned_when_off_or_without_a_local_rank():
-    assert pin_rank("off", {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}) is None
-    assert pin_rank("spread", {}) is None  # tp=1 in the serving process
-    assert pin_rank("spread", {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}) is None
-    assert pin_rank("spread", {"LOCAL_RANK": "x", "LOCAL_WORLD_SIZE": "2"}) is None
+def test_nothing_is_pinned_when_off_for_a_server_of_one_or_a_rank_alone_on_its_host():
+    assert pin_rank("off", 2, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}) is None
+    assert pin_rank("spread", 2, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}) is None  # torchrun, a node of one
+    # tp=1 keeps the machine, whatever LOCAL_* an outer torchrun or shell left in its environment
+    assert pin_rank("spread", 1, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}) is None
+
+
+@pytest.mark.parametrize("local_rank, local_world", [
+    ("5", "2"), ("-1", "2"), ("abc", "2"), ("9" * 30, "2"), ("0", "0"), ("0", ""), ("", "2"), ("0", "3"), (None, "2"),
+])
+def test_a_local_rank_given_wrongly_is_a_refusal_that_says_so_not_silence(local_rank, local_world):
+    """A rank left on every CPU while its peers have their shares overlaps one of them: the
+    log must say why (``cpu_affinity_refused``), naming what the environment held."""
+    env = {k: v for k, v in (("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local_world)) if v is not None}
+    why = pin_rank("spread", 2, env)
+    assert isinstance(why, str) and "LOCAL_WORLD_SIZE=" in why and "of 2" in why, why
+    assert pin_rank("spread", 2, {}) == "LOCAL_RANK and LOCAL_WORLD_SIZE are not set (mmsched serve and torchrun set them)"
 
 
 def test_cpu_lists_read_as_taskset_writes_them():
@@ -50,7 +62,7 @@ def test_a_pinned_rank_moves_the_threads_it_already_has_and_those_it_starts_late
         seen, go = [], threading.Event()
         early = threading.Thread(target=lambda: (go.wait(), seen.append(os.sched_getaffinity(0))))
         early.start()
-        mine = pin_rank("spread")
+        mine = pin_rank("spread", 2)
         go.set(); early.join()
         late = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
         late.start(); late.join()
@@ -78,6 +90,6 @@ def test_a_refused_pin_leaves_every_thread_where_it_was(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(allowed))
     monkeypatch.setattr(os, "sched_setaffinity", setaffinity)
     monkeypatch.setattr(os, "listdir", lambda path: ["100", "101", "102"])
-    why = pin_rank("spread", {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    why = pin_rank("spread", 2, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
     assert why == "sched_setaffinity 2-3: Invalid argument"
     assert calls[-3:] == [(t, frozenset(allowed)) for t in (100, 101, 102)]
