@@ -22,9 +22,7 @@ import os
 
 def share(cpus: list[int], local_rank: int, local_world: int) -> list[int]:
     """Local rank ``local_rank``'s CPUs out of ``cpus`` (sorted) among ``local_world`` ranks."""
-    n = len(cpus)
-    if local_world <= 1 or n == 0:
-        return list(cpus)
+    n = len(cpus)  # never 0: a process always may run somewhere
     if n < local_world:
         return [cpus[local_rank * n // local_world]]
     return cpus[local_rank * n // local_world: (local_rank + 1) * n // local_world]

@@ -114,10 +114,10 @@ def launch_group(cfg: Config, argv: list[str]) -> int:
         held = _group_store(cfg)
         host, port = "127.0.0.1", str(held[0].port)
     base = dict(os.environ, MASTER_ADDR=host, MASTER_PORT=port, WORLD_SIZE=str(cfg.tp),
+                LOCAL_WORLD_SIZE=str(cfg.tp),  # every rank is on this host (cpu_affinity shares its CPUs)
                 TORCHELASTIC_USE_AGENT_STORE=str(bool(held)),  # torch reads "True" alone: every rank a client
                 MMSCHED_LAUNCHER_PID=str(os.getpid()))
     base.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    base["LOCAL_WORLD_SIZE"] = str(cfg.tp)  # every rank on this host (cpu_affinity shares the CPUs)
     procs = [subprocess.Popen([sys.executable, "-m", "mmsched", *argv],
                               env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), start_new_session=True)
              for r in range(cfg.tp)]

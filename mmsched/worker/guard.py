@@ -16,7 +16,6 @@ import json
 from aiohttp import web
 
 
-
 class Guard:
     """The protocol factory for ``loop.create_server``, plus the middleware that marks headers read."""
 
