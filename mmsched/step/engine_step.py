@@ -66,8 +66,22 @@ def call(engine: Engine, requests: list[EngineRequest]) -> tuple[list, BaseExcep
         wrong = TypeError(f"engine step returned {type(outs).__name__} of "
                           f"{len(outs) if hasattr(outs, '__len__') else '?'} entries for {len(requests)} requests")
         return [wrong] * len(requests), None
+    if _all_maps_sendable(outs):  # the usual step: one encoder pass over every output
+        return list(outs), None
     return [o if isinstance(o, Exception) else _sendable(o) if isinstance(o, dict)
             else TypeError(f"engine returned {type(o).__name__}, not a map") for o in outs], None
+
+
+def _all_maps_sendable(outs: list) -> bool:
+    """Whether every entry is a map MessagePack can carry, found in one ``packb`` of them all
+    (~0.1 us a request, against ~0.5 for one call each); any doubt goes one by one."""
+    if not all(type(o) is dict for o in outs):
+        return False
+    try:
+        msgpack.packb(outs, use_bin_type=True)
+    except Exception:  # noqa: BLE001 - which one, and why, is the one-by-one check's to say
+        return False
+    return True
 
 
 def local_flags(requests: list[EngineRequest], failures: dict[int, BaseException], faults: Faults,
