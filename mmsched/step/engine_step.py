@@ -47,10 +47,16 @@ def _sendable(out):
     """The output map, or the TypeError a client would otherwise never see: the leader sends
     outputs as MessagePack, and one it cannot encode must fail that request, not the loop."""
     try:
-        msgpack.packb(out, use_bin_type=True)
+        _encodes_as_reply([out])  # one level up, as the result map holds it
     except Exception as exc:  # noqa: BLE001 - anything the encoder refuses
         return TypeError(f"engine output cannot be sent as MessagePack: {describe(exc)}")
     return out
+
+
+def _encodes_as_reply(outs: list) -> None:
+    """Raise unless the outputs encode at the depth the reply puts them and decode as a
+    client decodes them (map keys strings: a 200 with an int key is one it cannot read)."""
+    msgpack.unpackb(msgpack.packb(outs, use_bin_type=True), raw=False, strict_map_key=True)
 
 
 def call(engine: Engine, requests: list[EngineRequest]) -> tuple[list, BaseException | None]:
@@ -73,12 +79,12 @@ def call(engine: Engine, requests: list[EngineRequest]) -> tuple[list, BaseExcep
 
 
 def _all_maps_sendable(outs: list) -> bool:
-    """Whether every entry is a map MessagePack can carry, found in one ``packb`` of them all
+    """Whether every entry is a map a client can read, found in one encoder pass over them all
     (~0.1 us a request, against ~0.5 for one call each); any doubt goes one by one."""
     if not all(type(o) is dict for o in outs):
         return False
     try:
-        msgpack.packb(outs, use_bin_type=True)
+        _encodes_as_reply(outs)
     except Exception:  # noqa: BLE001 - which one, and why, is the one-by-one check's to say
         return False
     return True

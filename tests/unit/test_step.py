@@ -201,6 +201,42 @@ def test_an_output_messagepack_cannot_carry_fails_that_request_only():
     assert s.outputs == [None, None, {"o": 3}]
 
 
+def nested(levels: int) -> dict:
+    out = {"leaf": 1}
+    for _ in range(levels):
+        out = {"d": out}
+    return out
+
+
+def replies(output) -> bool:
+    """Whether a 200 carrying this output encodes, and decodes as the client library decodes."""
+    import msgpack
+
+    from mmsched.protocol import pack, result
+
+    try:
+        msgpack.unpackb(pack(result("r", 200, output=output)), raw=False, strict_map_key=True)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def test_an_output_a_client_cannot_read_is_that_requests_500_not_a_200_it_never_gets():
+    """From an outside attack: a map with an int key went out as a 200 that a strict decoder
+    (the client library's) drops, and an output nested one level short of the encoder's
+    limit passed the check but not the reply (a meta-less 500, after a session had stored)."""
+    deepest = next(n for n in range(900, 1100) if not replies(nested(n))) - 1
+    bad, good = [{"o": 1, 2: "two"}, nested(deepest + 1)], [nested(deepest), {"o": 3}]
+    assert not any(map(replies, bad)) and all(map(replies, good))
+    s = step(Engine(bad + good), rids=("a", "b", "c", "d"))
+    assert [s.verdict.ok(i) for i in range(4)] == [False, False, True, True]
+    assert all("cannot be sent as MessagePack" in s.verdict.message(i) for i in (0, 1))
+    assert s.outputs[2:] == good
+    for out in bad:  # alone in its batch, where the one-pass check is the whole check
+        alone = step(Engine([out]), rids=("a",))
+        assert not alone.verdict.ok(0) and "cannot be sent as MessagePack" in alone.verdict.message(0)
+
+
 class Unprintable(Exception):
     def __str__(self):
         raise RuntimeError("str exploded")
