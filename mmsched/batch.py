@@ -40,11 +40,15 @@ class BatchRunner:
     PRUNE_EVERY_S = 1.0  # how often idle cached pools are checked against their files
 
     def __init__(self, group, engine: Engine, faults: Faults, unlinks: bool, sessions: SessionStore,
-                 is_aborted=lambda req: False, topology: Topology | None = None, stall_s: float = 3.0,
+                 is_aborted=None, topology: Topology | None = None, stall_s: float = 3.0,
                  transports: Transports | None = None, gather: FlaggedGather | None = None):
         self.group, self.engine, self.faults, self.stall_s = group, engine, faults, stall_s
         self.topology = topology or Topology.single()
-        self.unlinks, self.sessions, self.is_aborted = unlinks, sessions, is_aborted
+        self.unlinks, self.sessions = unlinks, sessions
+        self.is_aborted: Callable[[Request], bool] = is_aborted or (lambda req: False)
+        # whether any request may be aborted now: if not, the step asks no request (the leader
+        # binds its admission's answer; one given ``is_aborted`` alone is asked every time)
+        self.aborts_pending: Callable[[], bool] = lambda: is_aborted is not None
         # the leader's Holds.owner: per batch, unlink a segment it read now, or leave it to a later holder
         self.segment_owner: Callable[[list[Request]], Owner] = lambda reqs: unlink_always
         self.counters = RankCounters()
@@ -110,9 +114,12 @@ class BatchRunner:
             return decide(gate, None, [], m.digests), None
         early = m.aborted if gate.verdict is None else frozenset()
 
-        def aborted(j: int) -> str | None:
-            i = live[j]
-            return "early" if i in early else ("late" if self.is_aborted(reqs[i]) else None)
+        def aborted() -> dict[int, str]:
+            """The leader's aborts among the survivors as they stand now, by survivor index."""
+            marks = {j: "early" for j, i in enumerate(live) if i in early} if early else {}
+            if self.aborts_pending():  # most batches: no abort waits anywhere, no request to look at
+                marks.update({j: "late" for j, i in enumerate(live) if j not in marks and self.is_aborted(reqs[i])})
+            return marks
 
         s = run_engine(self.group, self.engine, self.faults, self.stall_s,
                        engine_requests(reqs, m.tensors, live), aborted, self.gather, self.agreed)
@@ -138,6 +145,8 @@ class BatchRunner:
     def _keep(self, reqs: list[Request], m: Materialized, outcomes: list[Outcome]) -> None:
         """A session keeps the new features of its turns that succeeded; every turn touches it."""
         for req, tensors, outcome in zip(reqs, m.tensors, outcomes):
+            if req.session_id is None:
+                continue
             if isinstance(outcome, Ok) or (isinstance(outcome, Failed) and outcome.agreed_ok):
                 new = self._new_session_features(req, tensors)
                 if new:

@@ -36,9 +36,9 @@ class Verdict:
     _aborted: list = field(init=False, repr=False)  # (not one numpy call per request and question)
 
     def __post_init__(self) -> None:
-        rows = self.flags.tolist()  # lists: a batch holds few requests, and numpy costs µs a call
-        self._ok = [not any(col) for col in zip(*rows)] if rows else []
-        self._aborted = [f == ABORTED for f in rows[0]] if rows else []
+        # lists, built in one numpy pass each: ``ok`` and ``aborted`` are asked per request
+        self._ok = (~self.flags.any(axis=0)).tolist() if len(self.flags) else []
+        self._aborted = (self.flags[0] == ABORTED).tolist() if len(self.flags) else []
 
     def ok(self, i: int) -> bool:
         return self._ok[i]

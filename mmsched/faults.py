@@ -55,6 +55,14 @@ class Faults:
         globs = self._by_stage.get(stage)
         return bool(globs) and any(fnmatch.fnmatchcase(rid, g) for g in globs)
 
+    def hits(self, stage: str, requests) -> frozenset[int]:
+        """The indices of ``requests`` (anything with a ``rid``) that a fault of ``stage``
+        hits: at once, without a look at them, where none is set (every batch, every rank)."""
+        globs = self._by_stage.get(stage)
+        if not globs:
+            return frozenset()
+        return frozenset(j for j, r in enumerate(requests) if any(fnmatch.fnmatchcase(r.rid, g) for g in globs))
+
     def check(self, stage: str, rid: str) -> None:
         if self.hit(stage, rid):
             raise InjectedFault(f"injected {stage} fault on rank {self.rank}")

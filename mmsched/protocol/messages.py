@@ -106,7 +106,7 @@ class Request:
 
     def wire(self) -> list:
         return [
-            self.rid, self.type, self.input_ids.tobytes(), [it.wire() for it in self.items],
+            self.rid, self.type, memoryview(self.input_ids).cast("B"), [it.wire() for it in self.items],
             self.session_id, self.max_new_tokens, self.want_digest, self.params,
         ]
 

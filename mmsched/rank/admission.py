@@ -139,6 +139,10 @@ class Admission:
     def is_aborted(self, req: Request) -> bool:
         return self.aborting.get(req.key) is req  # that request, not a later one with its rid
 
+    def aborts_pending(self) -> bool:
+        """Whether any running request is aborted (if not, no batch need ask ``is_aborted``)."""
+        return bool(self.aborting)
+
     # ------------------------------------------------------------ batches
     @property
     def has_work(self) -> bool:

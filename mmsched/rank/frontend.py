@@ -24,6 +24,9 @@ Handler = Callable[[list], None]
 # plain ints: pyzmq's flag enums cost a few microseconds per operation on the request path
 NOBLOCK, SNDMORE_NOBLOCK, POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.POLLIN)
 EVENTS = int(zmq.EVENTS)
+# pyzmq's own send, under its Python wrapper (which only adds routing_id and group, for draft
+# socket types): two sends per answer, ~0.4 us each saved on the leader's loop
+_send = zmq.backend.Socket.send
 
 
 class Frontend:
@@ -87,8 +90,8 @@ class Frontend:
         # processes the socket's mailbox and can consume the FD signal the receiver waits on:
         # the receiver re-checks ZMQ_EVENTS after it. NOBLOCK: a full peer never blocks the loop.
         try:
-            self._raw.send(client, SNDMORE_NOBLOCK)
-            self._raw.send(_packed(header, self._packer.pack), NOBLOCK)
+            _send(self._raw, client, SNDMORE_NOBLOCK)
+            _send(self._raw, _packed(header, self._packer.pack), NOBLOCK)
         except zmq.ZMQError as exc:
             event("send_failed", logging.WARNING, rid=header.get("rid"), error=describe(exc))
         self._check.set()

@@ -46,14 +46,14 @@ class Leader:
         self.core = Admission(cfg, runner.sessions, gather_stats=world > 1, now=time.monotonic())
         self.holds = Holds(runner.transports.closer)  # the admission locks: one descriptor per segment named
         runner.is_aborted, runner.segment_owner = self.core.is_aborted, self.holds.owner
+        runner.aborts_pending = self.core.aborts_pending
         self.frontend = Frontend(cfg)
         self.status = Status(self.core, self.life, lane, self.frontend.lost, cfg.collective_timeout,
                              runner.sessions, runner.topology, runner.counters, world,
                              self.frontend.connections)
         self._wake, self._stop = asyncio.Event(), asyncio.Event()
         self._now = asyncio.get_running_loop().create_future()  # set by a second signal: stop now
-        # role links, bound once
-        self.publisher = Publisher(runner.group if world > 1 else None)
+        self.publisher = Publisher(runner.group if world > 1 else None)  # role links, bound once
         if self.publisher.can_go_ahead:  # the batches behind a step go out once its agreement is in
             runner.agreed = self.publisher.ahead
         self._overlap = world > 1  # a group of one runs small batches on the loop itself

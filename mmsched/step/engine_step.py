@@ -91,26 +91,25 @@ def _all_maps_sendable(outs: list) -> bool:
 
 
 def local_flags(requests: list[EngineRequest], failures: dict[int, BaseException], faults: Faults,
-                aborted: Callable[[int], str | None]) -> tuple[np.ndarray, dict[int, str]]:
+                aborts: Mapping[int, str]) -> tuple[np.ndarray, dict[int, str]]:
     """This rank's flag per request: FAILED where it failed here or an ``engine`` drill hits,
-    ABORTED where the leader saw an abort ("early" wins over a failure, "late" does not)."""
+    ABORTED where the leader saw an abort (``aborts``: "early" wins over a failure, "late" does not)."""
     flags = np.zeros(len(requests), dtype=np.int64)
     errors: dict[int, str] = {}
-    for j, req in enumerate(requests):
-        out = InjectedFault(f"injected engine fault on rank {faults.rank}") if faults.hit("engine", req.rid) \
-            else failures.get(j)
-        if out is not None:
-            flags[j], errors[j] = consensus.FAILED, describe(out)
-        why = aborted(j)
-        if why == "early" or (why and not flags[j]):
+    injected = faults.hits("engine", requests)
+    for j in {*failures, *injected}:
+        out = InjectedFault(f"injected engine fault on rank {faults.rank}") if j in injected else failures[j]
+        flags[j], errors[j] = consensus.FAILED, describe(out)
+    for j, why in aborts.items():
+        if why == "early" or not flags[j]:
             flags[j] = consensus.ABORTED
             errors.pop(j, None)
     return flags, errors
 
 
-def _never(j: int) -> str | None:
+def _no_aborts() -> dict[int, str]:
     """No request is aborted: what an unarmed gather answers."""
-    return None
+    return {}
 
 
 class FlaggedGather:
@@ -132,7 +131,7 @@ class FlaggedGather:
     def __init__(self, group, faults: Faults, stall_s: float):
         self.group, self.faults, self.stall_s = group, faults, stall_s
         self.requests: list[EngineRequest] = []
-        self.aborted: Callable[[int], str | None] = _never
+        self.aborted: Callable[[], Mapping[int, str]] = _no_aborts
         self.failed: dict[int, BaseException] = {}  # named by the engine in this step's calls so far
         self.thread: int | None = None  # the step's thread while armed; None between steps
         self.verdict: consensus.Verdict | None = None
@@ -141,7 +140,7 @@ class FlaggedGather:
         self.agreed: Callable[[], None] | None = None  # called once, after the step's first gather
         self.agreed_error: BaseException | None = None  # what it raised: run_engine raises it after the step
 
-    def arm(self, requests: list[EngineRequest], aborted: Callable[[int], str | None],
+    def arm(self, requests: list[EngineRequest], aborted: Callable[[], Mapping[int, str]],
             agreed: Callable[[], None] | None = None) -> None:
         self.steps += 1  # the same count on every rank: every rank runs the same steps
         self.requests, self.aborted, self.failed, self.thread = requests, aborted, {}, threading.get_ident()
@@ -150,7 +149,7 @@ class FlaggedGather:
     def disarm(self) -> consensus.Verdict | None:
         """The step is over: let go of its requests, whose features (1 GiB each, maybe) would
         otherwise stay alive on every rank until the next step armed the gather."""
-        self.thread, self.requests, self.aborted, self.failed = None, [], _never, {}
+        self.thread, self.requests, self.aborted, self.failed = None, [], _no_aborts, {}
         return self.verdict
 
     def __call__(self, local: torch.Tensor, failed: Mapping[int, BaseException] | None = None) -> torch.Tensor:
@@ -162,9 +161,9 @@ class FlaggedGather:
             shape = tuple(local.shape) if isinstance(local, torch.Tensor) else type(local).__name__
             raise ValueError(f"gather: {shape} is not one row per request ({len(requests)})")
         self.failed.update(_named_failures(failed, len(requests)))
-        if self.verdict is None and any(self.faults.hit("stall", r.rid) for r in requests):
+        if self.verdict is None and self.faults.hits("stall", requests):
             time.sleep(self.stall_s)  # a drill: this rank holds its peers inside the gather
-        flags, errors = local_flags(requests, self.failed, self.faults, self.aborted)
+        flags, errors = local_flags(requests, self.failed, self.faults, self.aborted())
         self.calls += 1  # the stamp: a rank that gathered more or less often than its peers is caught
         t0 = time.perf_counter()
         self.verdict = consensus.agree(self.group, flags, errors, extra=local, stamp=(self.steps, self.calls))
@@ -201,13 +200,13 @@ class Stepped:
 
 
 def run_engine(group, engine: Engine, faults: Faults, stall_s: float, requests: list[EngineRequest],
-               aborted: Callable[[int], str | None], gather: FlaggedGather | None = None,
+               aborted: Callable[[], Mapping[int, str]], gather: FlaggedGather | None = None,
                agreed: Callable[[], None] = lambda: None) -> Stepped:
     """Step, drills, late aborts, agreement.
 
-    ``aborted(j)`` is the leader's word on request j, asked right before the agreement so an
-    abort that arrived during the step counts: "early" (seen before a step that skipped the
-    materialization consensus; wins over a failure), "late", or None. Where the engine
+    ``aborted()`` is the leader's word on the step's requests, asked right before the agreement
+    so an abort that arrived during the step counts: {request index: "early" (seen before a
+    step that skipped the materialization consensus; wins over a failure) or "late"}. Where the engine
     gathered through ``gather``, its last call carried the agreement; a failure that came
     after it is a 500 of the leader alone (a follower's outputs are never sent), and the
     verdict every rank keeps sessions by stays the agreed one. ``agreed()`` runs once the
@@ -229,9 +228,9 @@ def run_engine(group, engine: Engine, faults: Faults, stall_s: float, requests: 
         mine = int((verdict.flags[group.rank] == consensus.FAILED).sum()) + len(late)
         return Stepped(verdict, [o if verdict.ok(j) and j not in late else None for j, o in enumerate(outs)],
                        mine, gather.seconds, late)
-    if any(faults.hit("stall", r.rid) for r in requests):
+    if faults.hits("stall", requests):
         time.sleep(stall_s)  # a drill: this rank holds its peers inside the agreement
-    flags, errors = local_flags(requests, failures, faults, aborted)  # aborts read after the stall
+    flags, errors = local_flags(requests, failures, faults, aborted())  # aborts read after the stall
     t0 = time.perf_counter()
     verdict = consensus.agree(group, flags, errors)
     agreed()

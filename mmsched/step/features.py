@@ -54,11 +54,14 @@ def materialize(reqs: list[Request], opened: list[list], faults: Faults, stall_s
                 is_aborted: Callable[[Request], bool], counters: RankCounters) -> Materialized:
     """Read every feature into owned memory; digest where asked. A failure is recorded, never raised."""
     m = Materialized(len(reqs))
+    holds = faults.hits("hold", reqs)
     for i, (req, feats) in enumerate(zip(reqs, opened)):
-        if faults.hit("hold", req.rid):  # a drill: a slow rank between broadcast and consensus
+        if i in holds:  # a drill: a slow rank between broadcast and consensus
             time.sleep(stall_s)
         if is_aborted(req):
             m.flags[i] = consensus.ABORTED
+            continue
+        if not feats and not req.want_digest:  # text only: nothing to read
             continue
         try:
             m.tensors[i] = [f.materialize() for f in feats]

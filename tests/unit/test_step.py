@@ -121,7 +121,7 @@ def both(error: str) -> str:
     return f"rank 0: {error}; rank 1: {error}"
 
 
-def step(engine, rids=("a", "b", "c"), faults=NO_FAULTS, aborted=lambda j: None):
+def step(engine, rids=("a", "b", "c"), faults=NO_FAULTS, aborted=dict):
     return run_engine(SoloGroup(), engine, faults, 0.0, requests(*rids), aborted)
 
 
@@ -155,7 +155,7 @@ def test_the_engine_drill_is_injected_by_the_runner():
 
 def test_late_aborts_are_agreed_after_the_step_and_an_early_one_wins_over_a_failure():
     s = step(Engine([ValueError("x"), ValueError("y"), {"o": 3}]),
-             aborted=lambda j: ["early", "late", "late"][j])
+             aborted=lambda: {0: "early", 1: "late", 2: "late"})
     assert [s.verdict.aborted(j) for j in range(3)] == [True, False, True]
     assert s.verdict.failed_ranks(1) == [0]  # a late abort does not hide a failure
     assert s.outputs == [None, None, None]
@@ -163,9 +163,9 @@ def test_late_aborts_are_agreed_after_the_step_and_an_early_one_wins_over_a_fail
 
 def test_the_agreement_is_one_collective_failures_included():
     group = Mirror()
-    run_engine(group, Engine(), NO_FAULTS, 0.0, requests("a"), lambda j: None)
+    run_engine(group, Engine(), NO_FAULTS, 0.0, requests("a"), dict)
     assert group.calls == 1
-    s = run_engine(group, Engine([ValueError("x")]), NO_FAULTS, 0.0, requests("a"), lambda j: None)
+    s = run_engine(group, Engine([ValueError("x")]), NO_FAULTS, 0.0, requests("a"), dict)
     assert group.calls == 2 and s.verdict.message(0) == both("ValueError: x")  # the string rode in the flags'
 
 
@@ -301,7 +301,7 @@ class Gathering:
                 for j in range(len(reqs))]
 
 
-def gathered_step(engine_of, rids=("a", "b", "c"), faults=NO_FAULTS, aborted=lambda j: None):
+def gathered_step(engine_of, rids=("a", "b", "c"), faults=NO_FAULTS, aborted=dict):
     from mmsched.step.engine_step import FlaggedGather
 
     group = Mirror()
@@ -334,7 +334,7 @@ def test_the_gather_lets_go_of_a_steps_features_once_the_step_is_over():
     feature = torch.zeros(1 << 20, dtype=torch.uint8)
     reqs[0].features.append(feature)
     gone = weakref.ref(feature)
-    s = run_engine(group, Gathering(gather), NO_FAULTS, 0.0, reqs, lambda j: None, gather)
+    s = run_engine(group, Gathering(gather), NO_FAULTS, 0.0, reqs, dict, gather)
     assert s.verdict.ok(0) and s.verdict.ok(1)
     del feature, reqs
     gc.collect()
@@ -343,7 +343,7 @@ def test_the_gather_lets_go_of_a_steps_features_once_the_step_is_over():
 
 def test_drills_and_aborts_ride_in_the_engines_gather():
     s, calls, _ = gathered_step(Gathering, faults=Faults([Fault.parse("0:engine:b")], 0),
-                                aborted=lambda j: "late" if j == 2 else None)
+                                aborted=lambda: {2: "late"})
     assert calls == 1
     assert s.verdict.message(1) == both("InjectedFault: injected engine fault on rank 0")
     assert s.verdict.aborted(2) and s.outputs == [{"o": 1.0}, None, None]
@@ -374,11 +374,11 @@ def test_the_step_says_once_when_its_agreement_is_in_and_not_before():
     real = group.all_gather
     group.all_gather = lambda payload: (events.append("gather"), real(payload))[1]
     gather = FlaggedGather(group, NO_FAULTS, 0.0)
-    s = run_engine(group, Twice(gather), NO_FAULTS, 0.0, requests("a", "b"), lambda j: None, gather,
+    s = run_engine(group, Twice(gather), NO_FAULTS, 0.0, requests("a", "b"), dict, gather,
                    agreed=lambda: events.append("agreed"))
     assert events == ["gather", "agreed", "gather"] and s.verdict.ok(0) and s.verdict.ok(1)
     events.clear()  # an engine that does not gather: after the runner's own agreement
-    run_engine(group, Engine(), NO_FAULTS, 0.0, requests("a"), lambda j: None, agreed=lambda: events.append("agreed"))
+    run_engine(group, Engine(), NO_FAULTS, 0.0, requests("a"), dict, agreed=lambda: events.append("agreed"))
     assert events == ["gather", "agreed"]
 
 
@@ -399,8 +399,8 @@ def test_a_failure_to_publish_after_the_agreement_breaks_the_step_even_if_the_en
     group = Mirror()
     gather = FlaggedGather(group, NO_FAULTS, 0.0)
     with pytest.raises(GroupBroken, match="follower 1 is gone"):
-        run_engine(group, Swallowing(gather), NO_FAULTS, 0.0, requests("a"), lambda j: None, gather, publish)
-    s = run_engine(group, Gathering(gather), NO_FAULTS, 0.0, requests("a"), lambda j: None, gather)
+        run_engine(group, Swallowing(gather), NO_FAULTS, 0.0, requests("a"), dict, gather, publish)
+    s = run_engine(group, Gathering(gather), NO_FAULTS, 0.0, requests("a"), dict, gather)
     assert s.outputs == [{"o": 1.0}]  # the next step starts clean
 
 
