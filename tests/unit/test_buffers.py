@@ -9,7 +9,7 @@ import torch
 from mmsched.producers import MemfdPool
 from mmsched.producers.features import Held, pooled
 from mmsched.protocol import Limits
-from mmsched.protocol.decode import _item
+from mmsched.protocol.items import item as _item
 from mmsched.transport import Transports
 from mmsched.transport.buffers import Buffers
 

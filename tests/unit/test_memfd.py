@@ -17,7 +17,7 @@ from mmsched.faults import NO_FAULTS
 from mmsched.producers import MemfdPool
 from mmsched.producers.features import Held, pooled
 from mmsched.protocol import Item, Limits
-from mmsched.protocol.decode import _item
+from mmsched.protocol.items import item as _item
 from mmsched.transport import Transports
 from mmsched.transport.memfd import MemfdCache, MemfdFeature
 

@@ -418,3 +418,42 @@ def test_owned_segments_respects_configured_prefix():
 ])
 def test_valid_shm_name(name, ok):
     assert valid_shm_name(name, PREFIX) is ok
+
+
+# ---------------------------------------------------------------- the plain request's short path
+
+def _ids(*values: int) -> bytes:
+    return b"".join(v.to_bytes(4, "little", signed=True) for v in values)
+
+
+PLAIN_VARIANTS = [
+    {}, {"type": "generate"}, {"rid": "é" * 128}, {"rid": "x" * 129}, {"rid": ""}, {"rid": 7},
+    {"v": True}, {"v": 1.0}, {"v": 2}, {"type": "ping"}, {"type": b"embed"}, {"type": ["embed"]},
+    {"input_ids": b""}, {"input_ids": b"\x01\x00\x00"}, {"input_ids": _ids(0, -1)}, {"input_ids": _ids(2**31 - 1)},
+    {"input_ids": _ids(*range(16))}, {"input_ids": _ids(*range(17))}, {"input_ids": [1, 2]}, {"input_ids": "abcd"},
+    {"session_id": "s"}, {"params": {}}, {"mm_items": []}, {"want_digest": False},
+]
+
+
+def _outcome(frames: list, limits: Limits):
+    try:
+        r = decode(frames, limits)
+    except BadRequest as exc:
+        return ("400", exc.field, str(exc), exc.rid)
+    if not isinstance(r, Request):
+        return (type(r).__name__,)
+    return (r.rid, r.type, r.input_ids.dtype.str, r.input_ids.tolist(), r.items, r.session_id, r.max_new_tokens,
+            r.want_digest, r.params)
+
+
+@pytest.mark.parametrize("limits", [Limits(max_input_len=16), Limits(max_new_tokens=4)], ids=["len16", "mnt4"])
+@pytest.mark.parametrize("over", PLAIN_VARIANTS, ids=range(len(PLAIN_VARIANTS)))
+def test_a_plain_request_decodes_as_the_full_checks_decide(over, limits):
+    """A one-frame request naming only v, type, rid and input_ids takes a short path on the
+    leader's loop; what it answers (the Request, or the 400 and its field) is what the full
+    checks answer for the same header (a second frame sends any message down those)."""
+    header = {"v": 1, "type": "embed", "rid": "r-1", "input_ids": _ids(1, 2, 3), **over}
+    alone = _outcome([pack(header)], limits)
+    assert alone == _outcome([pack(header), b""], limits)
+    if not over and limits.max_new_tokens >= 8:  # the control: a request, as sent
+        assert alone[0] == "r-1" and alone[3] == [1, 2, 3] and alone[2] == "<i4"
