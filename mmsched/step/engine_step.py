@@ -97,9 +97,10 @@ def local_flags(requests: list[EngineRequest], failures: dict[int, BaseException
     flags = np.zeros(len(requests), dtype=np.int64)
     errors: dict[int, str] = {}
     injected = faults.hits("engine", requests)
-    for j in {*failures, *injected}:
+    for j in injected | failures.keys():
         out = InjectedFault(f"injected engine fault on rank {faults.rank}") if j in injected else failures[j]
-        flags[j], errors[j] = consensus.FAILED, describe(out)
+        if out is not None:  # (an engine's ``failed`` may map a row to None: not a failure)
+            flags[j], errors[j] = consensus.FAILED, describe(out)
     for j, why in aborts.items():
         if why == "early" or not flags[j]:
             flags[j] = consensus.ABORTED

@@ -341,6 +341,14 @@ def test_the_gather_lets_go_of_a_steps_features_once_the_step_is_over():
     assert gone() is None, "the step is over, yet its feature is still held"
 
 
+def test_a_row_the_engine_names_with_no_error_is_not_failed():
+    """``failed`` maps rows to errors: a row mapped to None failed nothing (as before the
+    failures and drills were folded into one pass)."""
+    s, _, _ = gathered_step(lambda g: Gathering(g, failed={0: None, 2: ValueError("bad row")}))
+    assert [s.verdict.ok(j) for j in range(3)] == [True, True, False]
+    assert s.outputs[:2] == [{"o": 1.0}, {"o": 3.0}] and s.failures == 1
+
+
 def test_drills_and_aborts_ride_in_the_engines_gather():
     s, calls, _ = gathered_step(Gathering, faults=Faults([Fault.parse("0:engine:b")], 0),
                                 aborted=lambda: {2: "late"})
