@@ -21,32 +21,66 @@ def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
     Decoding costs memory in proportion to the frame's bytes (an empty map is 1 byte on
     the wire and ~100 in memory): ``params`` over ``max_params_bytes`` is left unread, and
     the other fields together may build at most ``limits.max_containers`` maps and arrays;
-    a field past that is left unread too. ``decode`` refuses an unread field by name."""
+    a field past that is left unread too, and so is one nested deeper than MessagePack
+    reads (with every field after it). ``decode`` refuses an unread field by name. The
+    header's keys are strings, at most MAX_MAP_KEYS, and no map in it names a key twice."""
     try:
-        if frame_len(frame) <= min(SMALL_HEADER, limits.max_params_bytes):  # bounded whatever it holds
-            header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-            if not isinstance(header, dict):
-                raise BadRequest("header", "not a MessagePack map")
-            return header
+        try:
+            if frame_len(frame) <= min(SMALL_HEADER, limits.max_params_bytes):  # bounded whatever it holds
+                header = msgpack.unpackb(frame, raw=False, strict_map_key=True, object_pairs_hook=one_each)
+                if not isinstance(header, dict):
+                    raise BadRequest("header", "not a MessagePack map")
+                if len(header) > MAX_MAP_KEYS:
+                    raise BadRequest("header", f"a map of {len(header)} keys (at most {MAX_MAP_KEYS})")
+                return _string_keys(header)
+        except msgpack.StackError:
+            pass  # nested past what MessagePack reads: field by field, the fields before it keep (the rid)
         header, budget = {}, Budget(limits.max_containers)
-        for key, value in map_entries(frame):
+        for key, value in map_entries(frame, deep_ok=True):
             key = map_key(key)
             if key is None:
                 raise ValueError("map key is not a string")
+            if key in header:
+                raise BadRequest("header", f"key {key!r:.80} appears more than once")
+            if value is None:
+                header[key] = Unread(f"nested deeper than {MAX_DEPTH} levels")
+                break
             if key == "params" and value.nbytes > limits.max_params_bytes:
                 header[key] = Unread(f"{value.nbytes} bytes exceed max_params_bytes={limits.max_params_bytes}")
                 continue
             try:
                 header[key] = msgpack.unpackb(value, raw=False, strict_map_key=True,
-                                              **({} if key == "params" else budget.hooks))
+                                              **(_ONE_EACH if key == "params" else budget.hooks))
             except Budget.Spent:
                 header[key] = Unread(f"more than {limits.max_containers} maps and arrays in the header (max_items)")
-        return header
+        return _string_keys(header)
     except BadRequest:
         raise
     except Exception as exc:  # msgpack raises several unrelated types
         raise BadRequest("header", f"not a MessagePack map ({type(exc).__name__})") from exc
 
+
+MAX_DEPTH = 1024  # maps and arrays MessagePack reads inside each other (past it: StackError)
+
+
+def one_each(pairs: list) -> dict:
+    """A map from its pairs, each key once: with a key twice, the checks would read one
+    value and a client mean the other (or the one shadowed would name a segment nothing
+    releases)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        twice = next(k for i, (k, _) in enumerate(pairs) if any(k == j for j, _ in pairs[:i]))
+        raise BadRequest("header", f"a map names key {twice!r:.80} more than once")
+    return out
+
+
+_ONE_EACH = {"object_pairs_hook": one_each}
+
+
+def _string_keys(header: dict) -> dict:
+    if any(type(k) is not str for k in header):
+        raise BadRequest("header", "its keys must be strings")
+    return header
 
 
 def unpacker(buf: memoryview) -> msgpack.Unpacker:
@@ -55,13 +89,15 @@ def unpacker(buf: memoryview) -> msgpack.Unpacker:
     return up
 
 
-def map_entries(frame: Any, trailing_ok: bool = False, lenient: bool = False) -> list[tuple[memoryview, memoryview]]:
+def map_entries(frame: Any, trailing_ok: bool = False, lenient: bool = False,
+                deep_ok: bool = False) -> list[tuple[memoryview, memoryview | None]]:
     """A MessagePack map's entries as (encoded key, encoded value), without building any
     of them: ``skip`` walks MessagePack without allocating.
 
     A map of more than MAX_MAP_KEYS entries is refused (``lenient``: only its first ones
     are read) before any is walked: millions of tiny keys in a few MB blocked the loop
-    for half a minute."""
+    for half a minute. ``deep_ok``: a value nested past what MessagePack reads ends the
+    entries, its own value None (where the ones after it start cannot be found)."""
     view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
     if view.nbytes == 0 or not is_map(view[0]):
         raise ValueError("not a map")
@@ -75,7 +111,12 @@ def map_entries(frame: Any, trailing_ok: bool = False, lenient: bool = False) ->
         k0 = up.tell()
         up.skip()
         k1 = up.tell()
-        up.skip()
+        try:
+            up.skip()
+        except msgpack.StackError:
+            if not deep_ok:
+                raise
+            return [*entries, (view[k0:k1], None)]
         entries.append((view[k0:k1], view[k1:up.tell()]))
     if not trailing_ok and up.tell() != view.nbytes:
         raise msgpack.ExtraData(None, None)
@@ -102,13 +143,16 @@ class Budget:
 
     def __init__(self, limit: int):
         self.left = limit
-        self.hooks = {"object_hook": self._count, "list_hook": self._count}
+        self.hooks = {"object_pairs_hook": self._count_map, "list_hook": self._count}
 
     def _count(self, x: Any) -> Any:
         self.left -= 1
         if self.left < 0:
             raise self.Spent
         return x
+
+    def _count_map(self, pairs: list) -> dict:
+        return one_each(self._count(pairs))
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 from ..errors import BadRequest
 from .dtypes import ITEMSIZE, nbytes as item_nbytes
 from .fields import is_int, one_of, opt_text
-from .limits import MODALITIES, TRANSPORTS, Limits, valid_shm_name
+from .limits import MAX_MAP_KEYS, MODALITIES, TRANSPORTS, Limits, valid_shm_name
 from .messages import Item
 
 
@@ -17,6 +17,10 @@ def item(i: int, it: Any, frames: Sequence[Any], limits: Limits) -> Item:
     f = f"mm_items[{i}]"
     if not isinstance(it, dict):
         raise BadRequest(f, "must be a map")
+    if len(it) > MAX_MAP_KEYS:
+        raise BadRequest(f, f"a map of {len(it)} keys (at most {MAX_MAP_KEYS})")
+    if any(type(k) is not str for k in it):
+        raise BadRequest(f, "its keys must be strings")
     transport = it.get("transport")
     if not one_of(transport, TRANSPORTS):
         raise BadRequest(f"{f}.transport", f"must be one of {sorted(TRANSPORTS)}")

@@ -23,10 +23,10 @@ def unpack_lenient(frame: Any) -> dict | None:
     still passed their ownership. Of each item only the fields ``owned_segments`` reads are
     decoded, so the cost stays in proportion to the frame's bytes."""
     try:
-        header = {}
-        for key, value in map_entries(frame, trailing_ok=True, lenient=True):
-            if map_key(key, "replace") == "mm_items":
-                header["mm_items"] = _lenient_items(value)
+        header: dict = {"mm_items": []}
+        for key, value in map_entries(frame, trailing_ok=True, lenient=True, deep_ok=True):
+            if value is not None and _text(map_key(key, "replace")) == "mm_items":  # every one: a key
+                header["mm_items"] += _lenient_items(value) or []  # named twice still handed over segments
         return header
     except Exception:  # msgpack raises several unrelated types
         return None
@@ -48,16 +48,23 @@ def _lenient_items(buf: memoryview) -> list | None:
         up.skip()
         item = buf[start:up.tell()]
         if is_map(item[0]):
-            kept = {}
-            for key, value in map_entries(item, lenient=True):
-                key = map_key(key, "replace")
-                if key in _KEPT:
+            kept, names = {}, []
+            for key, value in map_entries(item, lenient=True, deep_ok=True):
+                key = _text(map_key(key, "replace"))
+                if key in _KEPT and value is not None:
                     try:
                         kept[key] = msgpack.unpackb(value, raw=False, unicode_errors="replace", **Budget(0).hooks)
                     except Exception:  # an unreadable value names no segment
-                        pass
-            items.append(kept)
+                        continue
+                    if key == "shm_name":
+                        names.append(kept[key])
+            items += [{**kept, "shm_name": name} for name in names] or [kept]  # each name it gave
     return items
+
+
+def _text(key):
+    """A key as text, a bin one too: the 400 path looks for what a client meant."""
+    return key.decode("utf-8", "replace") if isinstance(key, bytes) else key
 
 
 

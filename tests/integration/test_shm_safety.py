@@ -254,6 +254,48 @@ def test_a_header_that_breaks_strict_reading_still_releases_its_segments(server,
             owned.discard()
 
 
+@pytest.mark.parametrize("how", ["mm_items-twice", "mm_items-as-bin-key", "shm_name-twice"])
+def test_a_segment_a_shadowing_key_names_is_still_released(server, how):
+    """Outside attack: a second mm_items key hid the first one's segment from every check and
+    from the release (a 200, the segment left to the sweep); a bin key hid it too. Now such a
+    header is a 400, and every segment it named is unlinked, the shadowed one included."""
+    import msgpack
+    import zmq
+
+    first, second = create_segment(bytes(16)), create_segment(bytes(16))
+    pk = msgpack.Packer(use_bin_type=True)
+    head = [("v", 1), ("type", "embed"), ("rid", "shadow"), ("input_ids", [1])]
+    if how == "mm_items-twice":
+        pairs = [*head, ("mm_items", [shm_item(first.name)]), ("mm_items", [shm_item(second.name)])]
+    elif how == "mm_items-as-bin-key":
+        pairs = [*head, (b"mm_items", [shm_item(first.name)]), ("mm_items", [shm_item(second.name)])]
+    else:
+        pairs = [*head, ("mm_items", [0])]
+    frame = pk.pack_map_header(len(pairs)) + b"".join(pk.pack(k) + pk.pack(v) for k, v in pairs)
+    if how == "shm_name-twice":
+        item = {**shm_item(first.name)}
+        item_bytes = pk.pack_map_header(len(item) + 1) + b"".join(pk.pack(k) + pk.pack(v) for k, v in item.items())
+        frame = frame.replace(b"\xa8mm_items\x91\x00", b"\xa8mm_items\x91" + item_bytes
+                              + pk.pack("shm_name") + pk.pack(second.name))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(server.addr)
+        sock.send(frame)
+        first.sent()
+        second.sent()
+        assert sock.poll(10000), "no reply"
+        r = msgpack.unpackb(sock.recv(), raw=False)
+        assert (r["status"], r["message"].split(":")[0]) == (400, "header"), r
+        for seg in (first, second):
+            assert not os.path.exists(os.path.join(SHM, seg.name)), f"{how}: a named segment outlived its 400"
+    finally:
+        sock.close(linger=0)
+        for seg in (first, second):
+            if os.path.exists(os.path.join(SHM, seg.name)):
+                seg.discard()
+
+
 # ---------------------------------------------------------------- shapes
 
 async def test_huge_shapes_are_refused_before_any_allocation(server):

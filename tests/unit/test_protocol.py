@@ -457,3 +457,104 @@ def test_a_plain_request_decodes_as_the_full_checks_decide(over, limits):
     assert alone == _outcome([pack(header), b""], limits)
     if not over and limits.max_new_tokens >= 8:  # the control: a request, as sent
         assert alone[0] == "r-1" and alone[3] == [1, 2, 3] and alone[2] == "<i4"
+
+
+# ---------------------------------------------------------------- maps as the protocol means them (outside attack)
+
+def raw_map(*pairs) -> bytes:
+    """A map as a client could pack it, keys repeated or of any type, in the order given."""
+    pk = msgpack.Packer(use_bin_type=True)
+    return pk.pack_map_header(len(pairs)) + b"".join(pk.pack(k) + pk.pack(v) for k, v in pairs)
+
+
+def shm_item(name: str) -> dict:
+    return {"modality": "image", "transport": "shm", "dtype": "uint8", "shape": [4], "shm_name": PREFIX + name}
+
+
+PLAIN = [("v", 1), ("type", "embed"), ("rid", "r-1"), ("input_ids", _ids(1, 2))]
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["small", "big"])
+@pytest.mark.parametrize("pairs, where", [
+    ([("v", 2), *PLAIN], "'v'"),                                            # the check read one v, a client meant another
+    ([*PLAIN, ("rid", "r-2")], "'rid'"),
+    ([*PLAIN, ("mm_items", [shm_item("a")]), ("mm_items", [shm_item("b")])], "'mm_items'"),
+    ([*PLAIN, ("mm_items", [{**shm_item("a"), "shape": [4]} | {"x": 1}]),
+      ("params", {"k": 1})], None),                                         # the control: no key twice
+])
+def test_a_map_that_names_a_key_twice_is_refused(pairs, where, pad):
+    if pad:
+        pairs = [*pairs, ("pad", PAD)]
+    frame = raw_map(*pairs)
+    if where is None:
+        assert decode([frame], LIMITS).rid == "r-1"
+        return
+    with pytest.raises(BadRequest) as ei:
+        decode([frame], LIMITS)
+    assert ei.value.field == "header" and f"key {where}" in str(ei.value) and "more than once" in str(ei.value)
+
+
+def test_a_key_twice_inside_an_item_or_params_is_refused_too():
+    item = raw_map(*shm_item("a").items(), ("shm_name", PREFIX + "b"))
+    frame = raw_map(*PLAIN[:3], ("input_ids", [1]), ("mm_items", msgpack.ExtType(0, b"")))
+    frame = frame.replace(pack(msgpack.ExtType(0, b"")), b"\x91" + item)  # mm_items: [that item]
+    with pytest.raises(BadRequest) as ei:
+        decode([frame], LIMITS)
+    assert "key 'shm_name' more than once" in str(ei.value)
+    # what a refused message hands over: every segment it named, the shadowed one too
+    assert owned_segments(unpack_lenient(frame), PREFIX) == [PREFIX + "a", PREFIX + "b"]
+    twice = raw_map(*PLAIN, ("mm_items", [shm_item("a")]), ("mm_items", [shm_item("b")]))
+    assert owned_segments(unpack_lenient(twice), PREFIX) == [PREFIX + "a", PREFIX + "b"]
+    params = raw_map(*PLAIN, ("params", msgpack.ExtType(0, b"")))
+    params = params.replace(pack(msgpack.ExtType(0, b"")), raw_map(("k", 1), ("k", 2)))
+    assert "key 'k' more than once" in str(bad_frame(params))
+
+
+def bad_frame(frame: bytes) -> BadRequest:
+    with pytest.raises(BadRequest) as ei:
+        decode([frame], LIMITS)
+    return ei.value
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["small", "big"])
+def test_header_and_item_keys_must_be_strings_and_at_most_64(pad):
+    extra = [("pad", PAD)] if pad else []
+    exc = bad_frame(raw_map(*PLAIN, (b"mm_items", [shm_item("a")]), *extra))
+    assert (exc.field, str(exc)) == ("header", "header: its keys must be strings")
+    assert owned_segments(unpack_lenient(raw_map(*PLAIN, (b"mm_items", [shm_item("a")]))), PREFIX) == [PREFIX + "a"]
+    many = [(f"k{i}", i) for i in range(65 - len(PLAIN) - len(extra))]
+    exc = bad_frame(raw_map(*PLAIN, *many, *extra))
+    assert (exc.field, str(exc)) == ("header", "header: a map of 65 keys (at most 64)")
+    assert decode([raw_map(*PLAIN, *many[1:], *extra)], LIMITS).rid == "r-1"  # 64: taken
+    item = {**shm_item("a"), **{f"k{i}": i for i in range(65 - len(shm_item("a")))}}
+    exc = bad_frame(raw_map(*PLAIN, ("mm_items", [item]), *extra))
+    assert (exc.field, str(exc)) == ("mm_items[0]", "mm_items[0]: a map of 65 keys (at most 64)")
+    binkey = raw_map(*shm_item("a").items(), (b"x", 1))
+    frame = raw_map(*PLAIN, ("mm_items", 0), *extra).replace(b"\xa8mm_items\x00", b"\xa8mm_items\x91" + binkey)
+    exc = bad_frame(frame)
+    assert (exc.field, str(exc)) == ("mm_items[0]", "mm_items[0]: its keys must be strings")
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["small", "big"])
+def test_a_field_nested_past_what_messagepack_reads_is_refused_by_name_with_the_rid(pad):
+    deep = b"\x91" * 1100 + b"\x01"
+    frame = raw_map(*PLAIN, ("junk", 0), *([("pad", PAD)] if pad else []))
+    frame = frame.replace(b"\xa4junk\x00", b"\xa4junk" + deep)
+    exc = bad_frame(frame)
+    assert (exc.field, exc.rid, str(exc)) == ("junk", "r-1", "junk: nested deeper than 1024 levels")
+    ok = raw_map(*PLAIN, ("junk", 0)).replace(b"\xa4junk\x00", b"\xa4junk" + b"\x91" * 200 + b"\x01")
+    assert decode([ok], LIMITS).rid == "r-1"  # unknown keys are ignored, however nested, within the limit
+
+
+@pytest.mark.parametrize("ids, problem", [
+    ([True, 1], "must be an array of ints or a bin of int32"),
+    ([1, 2, False], "must be an array of ints or a bin of int32"),
+    ([1, 2.0], "must be an array of ints or a bin of int32"),
+    ([2**64 - 1], "each id must satisfy 0 <= id < 2^31"),
+    ([1, 2**64 - 1], "each id must satisfy 0 <= id < 2^31"),
+    ([1, -1], "each id must satisfy 0 <= id < 2^31"),
+])
+def test_an_id_array_holds_ints_alone(ids, problem):
+    exc = bad(base(input_ids=ids))
+    assert (exc.field, str(exc)) == ("input_ids", f"input_ids: {problem}")
+    assert decode(frames_of(base(input_ids=[0, 2**31 - 1])), LIMITS).input_ids.tolist() == [0, 2**31 - 1]
