@@ -219,6 +219,30 @@ async def test_a_prefixed_directory_is_not_read_nor_removed(server):
         os.rmdir(path)
 
 
+def send_raw(addr: str, frame: bytes, *segments) -> dict:
+    """Frame 0 as packed by hand, from a plain DEALER; the reply (the segments handed over once sent)."""
+    import msgpack
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(addr)
+        sock.send(frame)
+        for seg in segments:
+            seg.sent()
+        assert sock.poll(10000), "no reply"
+        return msgpack.unpackb(sock.recv(), raw=False)
+    finally:
+        sock.close(linger=0)
+
+
+def discard_left(*segments) -> None:
+    for seg in segments:
+        if os.path.exists(os.path.join(SHM, seg.name)):
+            seg.discard()
+
+
 @pytest.mark.parametrize("oddity", [b"\xa6params\x81\x01\x02", b"\xa5extra\xa2\xc3\x28", b"\xa3\xff\xfe\xfd\xc0",
                                     b"\xa1x\xc0\x00"],
                          ids=["int-key-in-a-nested-map", "invalid-utf8-value", "invalid-utf8-key", "one-trailing-byte"])
@@ -226,7 +250,6 @@ def test_a_header_that_breaks_strict_reading_still_releases_its_segments(server,
     """Ownership passes when a request is sent, even when its header is not valid for the
     contract as a whole: the 400 (rid nil) still unlinks the owned segment, never the pooled one."""
     import msgpack
-    import zmq
 
     owned = create_segment(bytes(16))
     pooled = create_segment(bytes(16))
@@ -234,24 +257,15 @@ def test_a_header_that_breaks_strict_reading_still_releases_its_segments(server,
          "mm_items": [shm_item(owned.name), shm_item(pooled.name, pooled=True)]}
     packed = msgpack.packb(h)
     frame = bytes([packed[0] + 1]) + packed[1:] + oddity  # one more entry in the top-level map
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(server.addr)
-        sock.send(frame)
-        owned.sent()
-        pooled.sent()
-        assert sock.poll(10000), "no reply"
-        r = msgpack.unpackb(sock.recv(), raw=False)
+        r = send_raw(server.addr, frame, owned, pooled)
         assert (r["status"], r["rid"]) == (400, None), r
         assert r["message"].startswith("header:"), r
         assert not os.path.exists(os.path.join(SHM, owned.name)), "the owned segment outlived its 400"
         assert os.path.exists(os.path.join(SHM, pooled.name)), "a pooled segment was unlinked"
     finally:
-        sock.close(linger=0)
         pooled.discard()
-        if os.path.exists(os.path.join(SHM, owned.name)):
-            owned.discard()
+        discard_left(owned)
 
 
 @pytest.mark.parametrize("how", ["mm_items-twice", "mm_items-as-bin-key", "shm_name-twice"])
@@ -260,7 +274,6 @@ def test_a_segment_a_shadowing_key_names_is_still_released(server, how):
     from the release (a 200, the segment left to the sweep); a bin key hid it too. Now such a
     header is a 400, and every segment it named is unlinked, the shadowed one included."""
     import msgpack
-    import zmq
 
     first, second = create_segment(bytes(16)), create_segment(bytes(16))
     pk = msgpack.Packer(use_bin_type=True)
@@ -277,23 +290,13 @@ def test_a_segment_a_shadowing_key_names_is_still_released(server, how):
         item_bytes = pk.pack_map_header(len(item) + 1) + b"".join(pk.pack(k) + pk.pack(v) for k, v in item.items())
         frame = frame.replace(b"\xa8mm_items\x91\x00", b"\xa8mm_items\x91" + item_bytes
                               + pk.pack("shm_name") + pk.pack(second.name))
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(server.addr)
-        sock.send(frame)
-        first.sent()
-        second.sent()
-        assert sock.poll(10000), "no reply"
-        r = msgpack.unpackb(sock.recv(), raw=False)
+        r = send_raw(server.addr, frame, first, second)
         assert (r["status"], r["message"].split(":")[0]) == (400, "header"), r
         for seg in (first, second):
             assert not os.path.exists(os.path.join(SHM, seg.name)), f"{how}: a named segment outlived its 400"
     finally:
-        sock.close(linger=0)
-        for seg in (first, second):
-            if os.path.exists(os.path.join(SHM, seg.name)):
-                seg.discard()
+        discard_left(first, second)
 
 
 # ---------------------------------------------------------------- shapes
