@@ -36,15 +36,12 @@ def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
         except msgpack.StackError:
             pass  # nested past what MessagePack reads: field by field, the fields before it keep (the rid)
         header, budget = {}, Budget(limits.max_containers)
-        for key, value in map_entries(frame, deep_ok=True):
+        for key, value in map_entries(frame):
             key = map_key(key)
             if key is None:
-                raise ValueError("map key is not a string")
+                raise BadRequest("header", "its keys must be strings")
             if key in header:
-                raise BadRequest("header", f"key {key!r:.80} appears more than once")
-            if value is None:
-                header[key] = Unread(f"nested deeper than {MAX_DEPTH} levels")
-                break
+                raise BadRequest("header", f"a map names key {key!r:.80} more than once")
             if key == "params" and value.nbytes > limits.max_params_bytes:
                 header[key] = Unread(f"{value.nbytes} bytes exceed max_params_bytes={limits.max_params_bytes}")
                 continue
@@ -53,9 +50,15 @@ def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
                                               **(_ONE_EACH if key == "params" else budget.hooks))
             except Budget.Spent:
                 header[key] = Unread(f"more than {limits.max_containers} maps and arrays in the header (max_items)")
+            except msgpack.StackError:  # refused by name; the fields after it are still read (the rid)
+                header[key] = Unread(f"nested deeper than {MAX_DEPTH} levels")
         return _string_keys(header)
     except BadRequest:
         raise
+    except ValueError as exc:
+        if "not allowed for map key" in str(exc):  # strict_map_key: an int, nil or container key
+            raise BadRequest("header", "its keys must be strings") from exc
+        raise BadRequest("header", f"not a MessagePack map ({type(exc).__name__})") from exc
     except Exception as exc:  # msgpack raises several unrelated types
         raise BadRequest("header", f"not a MessagePack map ({type(exc).__name__})") from exc
 
@@ -89,38 +92,98 @@ def unpacker(buf: memoryview) -> msgpack.Unpacker:
     return up
 
 
-def map_entries(frame: Any, trailing_ok: bool = False, lenient: bool = False,
-                deep_ok: bool = False) -> list[tuple[memoryview, memoryview | None]]:
+def map_entries(frame: Any, trailing_ok: bool = False, lenient: bool = False) -> list[tuple[memoryview, memoryview]]:
     """A MessagePack map's entries as (encoded key, encoded value), without building any
     of them: ``skip`` walks MessagePack without allocating.
 
     A map of more than MAX_MAP_KEYS entries is refused (``lenient``: only its first ones
     are read) before any is walked: millions of tiny keys in a few MB blocked the loop
-    for half a minute. ``deep_ok``: a value nested past what MessagePack reads ends the
-    entries, its own value None (where the ones after it start cannot be found)."""
+    for half a minute. A value nested past what MessagePack reads is found by hand
+    (``Walk``); where even that fails, the entries end before it."""
     view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
     if view.nbytes == 0 or not is_map(view[0]):
         raise ValueError("not a map")
-    up, entries = unpacker(view), []
-    n = up.read_map_header()
+    walk, entries = Walk(view), []
+    n = walk.up.read_map_header()
     if n > MAX_MAP_KEYS:
         if not lenient:
             raise BadRequest("header", f"a map of {n} keys (at most {MAX_MAP_KEYS})")
         n, trailing_ok = MAX_MAP_KEYS, True
     for _ in range(n):
-        k0 = up.tell()
-        up.skip()
-        k1 = up.tell()
-        try:
-            up.skip()
-        except msgpack.StackError:
-            if not deep_ok:
-                raise
-            return [*entries, (view[k0:k1], None)]
-        entries.append((view[k0:k1], view[k1:up.tell()]))
-    if not trailing_ok and up.tell() != view.nbytes:
+        k0 = walk.tell()
+        walk.up.skip()
+        k1 = walk.tell()
+        if not walk.skip():
+            return entries
+        entries.append((view[k0:k1], view[k1:walk.tell()]))
+    if not trailing_ok and walk.tell() != view.nbytes:
         raise msgpack.ExtraData(None, None)
     return entries
+
+
+class Walk:
+    """MessagePack values one after another, each skipped without being built: by msgpack's
+    ``skip``, or, for one nested past the 1,024 levels msgpack reads, by hand (``skip_deep``;
+    at most DEEP_SKIPS a walk, each reading the rest of the buffer again)."""
+
+    DEEP_SKIPS = 2
+
+    def __init__(self, view: memoryview):
+        self.view, self.base, self.up, self.deep_left = view, 0, unpacker(view), self.DEEP_SKIPS
+
+    def tell(self) -> int:
+        return self.base + self.up.tell()
+
+    def skip(self) -> bool:
+        """Past the next value; False where it is nested too deep even to find its end."""
+        at = self.tell()
+        try:
+            self.up.skip()
+            return True
+        except msgpack.StackError:
+            end = skip_deep(self.view, at) if self.deep_left > 0 else None
+            if end is None:
+                return False
+            self.deep_left -= 1
+            self.base, self.up = end, unpacker(self.view[end:])
+            return True
+
+
+DEEP_VALUES = 1 << 14  # values ``skip_deep`` walks at most (~10 ms here), however the bytes nest
+_SIZED = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4, 0xc7: -1, 0xc8: -2, 0xc9: -4}  # length bytes
+_FIXED = {0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8,
+          0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}  # bytes after the type byte
+_COUNTED = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}  # (count bytes, values per count)
+
+
+def skip_deep(view: memoryview, at: int) -> int | None:
+    """Where the value at ``at`` ends, walked by hand with a count of the values still owed
+    (no stack, so no depth limit); None if it breaks MessagePack or owes past DEEP_VALUES."""
+    owed, end = 1, len(view)
+    for _ in range(DEEP_VALUES):
+        if not owed or at >= end:
+            break
+        b, at, owed = view[at], at + 1, owed - 1
+        if b <= 0x7f or b >= 0xe0 or b in (0xc0, 0xc2, 0xc3):
+            continue
+        if b <= 0x8f:
+            owed += 2 * (b & 0x0f)
+        elif b <= 0x9f:
+            owed += b & 0x0f
+        elif b <= 0xbf:
+            at += b & 0x1f
+        elif b in _SIZED:  # str, bin, ext (negative: an ext, whose type byte follows its length)
+            k = abs(_SIZED[b])
+            at += k + int.from_bytes(view[at: at + k], "big") + (_SIZED[b] < 0)
+        elif b in _FIXED:
+            at += _FIXED[b]
+        elif b in _COUNTED:
+            k, per = _COUNTED[b]
+            owed += per * int.from_bytes(view[at: at + k], "big")
+            at += k
+        else:  # 0xc1, never used
+            return None
+    return at if not owed and at <= end else None
 
 
 def is_map(first: int) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgpack
 
-from .header import Budget, is_map, map_entries, map_key, unpacker
+from .header import Budget, Walk, is_map, map_entries, map_key
 from .limits import valid_shm_name
 
 
@@ -24,8 +24,8 @@ def unpack_lenient(frame: Any) -> dict | None:
     decoded, so the cost stays in proportion to the frame's bytes."""
     try:
         header: dict = {"mm_items": []}
-        for key, value in map_entries(frame, trailing_ok=True, lenient=True, deep_ok=True):
-            if value is not None and _text(map_key(key, "replace")) == "mm_items":  # every one: a key
+        for key, value in map_entries(frame, trailing_ok=True, lenient=True):
+            if _text(map_key(key, "replace")) == "mm_items":  # every one: a key
                 header["mm_items"] += _lenient_items(value) or []  # named twice still handed over segments
         return header
     except Exception:  # msgpack raises several unrelated types
@@ -42,16 +42,17 @@ LENIENT_ITEMS = 1024
 def _lenient_items(buf: memoryview) -> list | None:
     if buf[0] not in (0xdc, 0xdd) and buf[0] & 0xf0 != 0x90:
         return None  # not an array
-    up, items = unpacker(buf), []
-    for _ in range(min(up.read_array_header(), LENIENT_ITEMS)):
-        start = up.tell()
-        up.skip()
-        item = buf[start:up.tell()]
+    walk, items = Walk(buf), []
+    for _ in range(min(walk.up.read_array_header(), LENIENT_ITEMS)):
+        start = walk.tell()
+        if not walk.skip():  # nested too deep even to find where the next item starts
+            break
+        item = buf[start:walk.tell()]
         if is_map(item[0]):
             kept, names = {}, []
-            for key, value in map_entries(item, lenient=True, deep_ok=True):
+            for key, value in map_entries(item, lenient=True):
                 key = _text(map_key(key, "replace"))
-                if key in _KEPT and value is not None:
+                if key in _KEPT:
                     try:
                         kept[key] = msgpack.unpackb(value, raw=False, unicode_errors="replace", **Budget(0).hooks)
                     except Exception:  # an unreadable value names no segment

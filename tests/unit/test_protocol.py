@@ -522,6 +522,9 @@ def test_header_and_item_keys_must_be_strings_and_at_most_64(pad):
     exc = bad_frame(raw_map(*PLAIN, (b"mm_items", [shm_item("a")]), *extra))
     assert (exc.field, str(exc)) == ("header", "header: its keys must be strings")
     assert owned_segments(unpack_lenient(raw_map(*PLAIN, (b"mm_items", [shm_item("a")]))), PREFIX) == [PREFIX + "a"]
+    for odd in [raw_map(*PLAIN, (7, 1), *extra), raw_map(*PLAIN, ("params", {1: 2}), *extra),
+                raw_map(*PLAIN, ("mm_items", [{**shm_item("a"), None: 1}]), *extra)]:  # neither str nor bin
+        assert str(bad_frame(odd)) == "header: its keys must be strings"
     many = [(f"k{i}", i) for i in range(65 - len(PLAIN) - len(extra))]
     exc = bad_frame(raw_map(*PLAIN, *many, *extra))
     assert (exc.field, str(exc)) == ("header", "header: a map of 65 keys (at most 64)")
@@ -535,11 +538,15 @@ def test_header_and_item_keys_must_be_strings_and_at_most_64(pad):
     assert (exc.field, str(exc)) == ("mm_items[0]", "mm_items[0]: its keys must be strings")
 
 
+DEEP = b"\x91" * 1100 + b"\x01"  # 1,100 arrays inside each other: past MessagePack's 1,024
+
+
 @pytest.mark.parametrize("pad", [False, True], ids=["small", "big"])
-def test_a_field_nested_past_what_messagepack_reads_is_refused_by_name_with_the_rid(pad):
-    deep = b"\x91" * 1100 + b"\x01"
-    frame = raw_map(*PLAIN, ("junk", 0), *([("pad", PAD)] if pad else []))
-    frame = frame.replace(b"\xa4junk\x00", b"\xa4junk" + deep)
+@pytest.mark.parametrize("rid_first", [True, False], ids=["rid-first", "rid-after"])
+def test_a_field_nested_past_what_messagepack_reads_is_refused_by_name_with_the_rid(pad, rid_first):
+    fields = [("junk", 0), *PLAIN] if not rid_first else [*PLAIN, ("junk", 0)]
+    frame = raw_map(*fields, *([("pad", PAD)] if pad else []))
+    frame = frame.replace(b"\xa4junk\x00", b"\xa4junk" + DEEP)
     exc = bad_frame(frame)
     assert (exc.field, exc.rid, str(exc)) == ("junk", "r-1", "junk: nested deeper than 1024 levels")
     ok = raw_map(*PLAIN, ("junk", 0)).replace(b"\xa4junk\x00", b"\xa4junk" + b"\x91" * 200 + b"\x01")
@@ -558,3 +565,17 @@ def test_an_id_array_holds_ints_alone(ids, problem):
     exc = bad(base(input_ids=ids))
     assert (exc.field, str(exc)) == ("input_ids", f"input_ids: {problem}")
     assert decode(frames_of(base(input_ids=[0, 2**31 - 1])), LIMITS).input_ids.tolist() == [0, 2**31 - 1]
+
+
+@pytest.mark.parametrize("where", ["item-between", "field-before-items"])
+def test_a_message_refused_for_depth_still_hands_over_every_segment_it_names(where):
+    """Outside attack: a too-deep item between two shm items, or a too-deep field before
+    mm_items, kept the 400 path from finding the segments (left to the sweep)."""
+    items = raw_map(("mm_items", [shm_item("a"), 0, shm_item("b"), {**shm_item("p"), "pooled": True}]))[1:]
+    items = items.replace(b"\x94" + pack(shm_item("a")) + b"\x00", b"\x94" + pack(shm_item("a")) + DEEP)
+    if where == "item-between":
+        frame = bytes([0x85]) + raw_map(*PLAIN)[1:] + items  # PLAIN's four entries, then mm_items
+    else:
+        frame = bytes([0x86]) + raw_map(*PLAIN, ("junk", 0))[1:].replace(b"\xa4junk\x00", b"\xa4junk" + DEEP) + items
+    assert isinstance(bad_frame(frame), BadRequest)
+    assert owned_segments(unpack_lenient(frame), PREFIX) == [PREFIX + "a", PREFIX + "b"]
