@@ -42,6 +42,9 @@ def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
                 raise BadRequest("header", "its keys must be strings")
             if key in header:
                 raise BadRequest("header", f"a map names key {key!r:.80} more than once")
+            if value is None:  # too deep even to walk past: refused, and nothing after it is read
+                header[key] = Unread(f"nested deeper than {MAX_DEPTH} levels")
+                break
             if key == "params" and value.nbytes > limits.max_params_bytes:
                 header[key] = Unread(f"{value.nbytes} bytes exceed max_params_bytes={limits.max_params_bytes}")
                 continue
@@ -92,18 +95,20 @@ def unpacker(buf: memoryview) -> msgpack.Unpacker:
     return up
 
 
-def map_entries(frame: Any, trailing_ok: bool = False, lenient: bool = False) -> list[tuple[memoryview, memoryview]]:
+def map_entries(frame: Any, trailing_ok: bool = False, lenient: bool = False,
+                skips: "HandSkips | None" = None) -> list[tuple[memoryview, memoryview | None]]:
     """A MessagePack map's entries as (encoded key, encoded value), without building any
     of them: ``skip`` walks MessagePack without allocating.
 
     A map of more than MAX_MAP_KEYS entries is refused (``lenient``: only its first ones
     are read) before any is walked: millions of tiny keys in a few MB blocked the loop
     for half a minute. A value nested past what MessagePack reads is found by hand
-    (``Walk``); where even that fails, the entries end before it."""
+    (``Walk``, within ``skips``, shared by the walks of one message); where even that
+    fails, the entries end with it, its value None."""
     view = memoryview(frame.buffer if hasattr(frame, "buffer") else frame).cast("B")
     if view.nbytes == 0 or not is_map(view[0]):
         raise ValueError("not a map")
-    walk, entries = Walk(view), []
+    walk, entries = Walk(view, skips or HandSkips()), []
     n = walk.up.read_map_header()
     if n > MAX_MAP_KEYS:
         if not lenient:
@@ -113,23 +118,29 @@ def map_entries(frame: Any, trailing_ok: bool = False, lenient: bool = False) ->
         k0 = walk.tell()
         walk.up.skip()
         k1 = walk.tell()
-        if not walk.skip():
-            return entries
+        if not walk.skip():  # the last entry, its value None: where the next one starts is unknown
+            return [*entries, (view[k0:k1], None)]
         entries.append((view[k0:k1], view[k1:walk.tell()]))
     if not trailing_ok and walk.tell() != view.nbytes:
         raise msgpack.ExtraData(None, None)
     return entries
 
 
+class HandSkips:
+    """How many values nested past what MessagePack reads one message may have walked by hand
+    (each up to DEEP_VALUES values, ~1 us each): the walks of a message share one."""
+
+    def __init__(self, left: int = 4):
+        self.left = left
+
+
 class Walk:
     """MessagePack values one after another, each skipped without being built: by msgpack's
-    ``skip``, or, for one nested past the 1,024 levels msgpack reads, by hand (``skip_deep``;
-    at most DEEP_SKIPS a walk, each reading the rest of the buffer again)."""
+    ``skip``, or, for one nested past the 1,024 levels msgpack reads, by hand (``skip_deep``,
+    as ``skips`` allows; each such skip reads the rest of the buffer again)."""
 
-    DEEP_SKIPS = 2
-
-    def __init__(self, view: memoryview):
-        self.view, self.base, self.up, self.deep_left = view, 0, unpacker(view), self.DEEP_SKIPS
+    def __init__(self, view: memoryview, skips: HandSkips):
+        self.view, self.base, self.up, self.skips = view, 0, unpacker(view), skips
 
     def tell(self) -> int:
         return self.base + self.up.tell()
@@ -141,15 +152,15 @@ class Walk:
             self.up.skip()
             return True
         except msgpack.StackError:
-            end = skip_deep(self.view, at) if self.deep_left > 0 else None
+            end = skip_deep(self.view, at) if self.skips.left > 0 else None
+            self.skips.left -= 1
             if end is None:
                 return False
-            self.deep_left -= 1
             self.base, self.up = end, unpacker(self.view[end:])
             return True
 
 
-DEEP_VALUES = 1 << 14  # values ``skip_deep`` walks at most (~10 ms here), however the bytes nest
+DEEP_VALUES = 1 << 12  # values ``skip_deep`` walks at most (~2 ms here), however the bytes nest
 _SIZED = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4, 0xc7: -1, 0xc8: -2, 0xc9: -4}  # length bytes
 _FIXED = {0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8,
           0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}  # bytes after the type byte

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgpack
 
-from .header import Budget, Walk, is_map, map_entries, map_key
+from .header import Budget, HandSkips, Walk, is_map, map_entries, map_key
 from .limits import valid_shm_name
 
 
@@ -24,9 +24,10 @@ def unpack_lenient(frame: Any) -> dict | None:
     decoded, so the cost stays in proportion to the frame's bytes."""
     try:
         header: dict = {"mm_items": []}
-        for key, value in map_entries(frame, trailing_ok=True, lenient=True):
-            if _text(map_key(key, "replace")) == "mm_items":  # every one: a key
-                header["mm_items"] += _lenient_items(value) or []  # named twice still handed over segments
+        skips = HandSkips()  # for the whole message: its items' walks too
+        for key, value in map_entries(frame, trailing_ok=True, lenient=True, skips=skips):
+            if value is not None and _text(map_key(key, "replace")) == "mm_items":  # every one: a key
+                header["mm_items"] += _lenient_items(value, skips) or []  # named twice still handed over segments
         return header
     except Exception:  # msgpack raises several unrelated types
         return None
@@ -39,10 +40,10 @@ _KEPT = ("transport", "pooled", "shm_name")  # what owned_segments reads of an i
 LENIENT_ITEMS = 1024
 
 
-def _lenient_items(buf: memoryview) -> list | None:
+def _lenient_items(buf: memoryview, skips: HandSkips) -> list | None:
     if buf[0] not in (0xdc, 0xdd) and buf[0] & 0xf0 != 0x90:
         return None  # not an array
-    walk, items = Walk(buf), []
+    walk, items = Walk(buf, skips), []
     for _ in range(min(walk.up.read_array_header(), LENIENT_ITEMS)):
         start = walk.tell()
         if not walk.skip():  # nested too deep even to find where the next item starts
@@ -50,9 +51,9 @@ def _lenient_items(buf: memoryview) -> list | None:
         item = buf[start:walk.tell()]
         if is_map(item[0]):
             kept, names = {}, []
-            for key, value in map_entries(item, lenient=True):
+            for key, value in map_entries(item, lenient=True, skips=skips):
                 key = _text(map_key(key, "replace"))
-                if key in _KEPT:
+                if key in _KEPT and value is not None:
                     try:
                         kept[key] = msgpack.unpackb(value, raw=False, unicode_errors="replace", **Budget(0).hooks)
                     except Exception:  # an unreadable value names no segment

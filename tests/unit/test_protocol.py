@@ -579,3 +579,13 @@ def test_a_message_refused_for_depth_still_hands_over_every_segment_it_names(whe
         frame = bytes([0x86]) + raw_map(*PLAIN, ("junk", 0))[1:].replace(b"\xa4junk\x00", b"\xa4junk" + DEEP) + items
     assert isinstance(bad_frame(frame), BadRequest)
     assert owned_segments(unpack_lenient(frame), PREFIX) == [PREFIX + "a", PREFIX + "b"]
+
+
+def test_a_field_too_deep_and_too_big_to_walk_past_is_still_refused():
+    """Past what the hand walk takes (deep, then 4,095 values more): the fields after it
+    cannot be found, so the message is refused, never taken without them."""
+    junk = DEEP[:-1] + b"\xdc\x0f\xff" + b"\x01" * 4095
+    frame = bytes([0x86]) + raw_map(*PLAIN, ("junk", 0))[1:].replace(b"\xa4junk\x00", b"\xa4junk" + junk)
+    frame += pack("mm_items") + pack([shm_item("a")])
+    exc = bad_frame(frame)
+    assert (exc.field, exc.rid) == ("junk", "r-1") and "nested deeper" in str(exc)
