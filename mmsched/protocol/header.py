@@ -22,8 +22,9 @@ def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
     the wire and ~100 in memory): ``params`` over ``max_params_bytes`` is left unread, and
     the other fields together may build at most ``limits.max_containers`` maps and arrays;
     a field past that is left unread too, and so is one nested deeper than MessagePack
-    reads (with every field after it). ``decode`` refuses an unread field by name. The
-    header's keys are strings, at most MAX_MAP_KEYS, and no map in it names a key twice."""
+    reads (the fields around it are still read; where even the hand walk cannot pass it,
+    none after it). ``decode`` refuses an unread field by name. The header's keys are
+    strings, at most MAX_MAP_KEYS, and no map in it names a key twice."""
     try:
         try:
             if frame_len(frame) <= min(SMALL_HEADER, limits.max_params_bytes):  # bounded whatever it holds
@@ -34,7 +35,7 @@ def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
                     raise BadRequest("header", f"a map of {len(header)} keys (at most {MAX_MAP_KEYS})")
                 return _string_keys(header)
         except msgpack.StackError:
-            pass  # nested past what MessagePack reads: field by field, the fields before it keep (the rid)
+            pass  # nested past what MessagePack reads: field by field, so the others (the rid) are read
         header, budget = {}, Budget(limits.max_containers)
         for key, value in map_entries(frame):
             key = map_key(key)

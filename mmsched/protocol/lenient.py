@@ -53,8 +53,8 @@ def _lenient_items(buf: memoryview, skips: HandSkips) -> list | None:
             kept, names = {}, []
             for key, value in map_entries(item, lenient=True, skips=skips):
                 key = _text(map_key(key, "replace"))
-                if key in _KEPT and value is not None:
-                    try:
+                if key in _KEPT and value is not None and kept.get("pooled", False) is False:
+                    try:  # (once an item says pooled, its segments are never unlinked, whatever follows)
                         kept[key] = msgpack.unpackb(value, raw=False, unicode_errors="replace", **Budget(0).hooks)
                     except Exception:  # an unreadable value names no segment
                         continue

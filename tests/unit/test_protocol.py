@@ -589,3 +589,11 @@ def test_a_field_too_deep_and_too_big_to_walk_past_is_still_refused():
     frame += pack("mm_items") + pack([shm_item("a")])
     exc = bad_frame(frame)
     assert (exc.field, exc.rid) == ("junk", "r-1") and "nested deeper" in str(exc)
+
+
+def test_an_item_that_says_pooled_twice_over_is_never_released_by_a_400():
+    """A shadowed ``pooled: true`` still counts: a pooled segment is the client's to keep."""
+    item = raw_map(*shm_item("p").items(), ("pooled", True), ("pooled", False))
+    frame = raw_map(*PLAIN, ("mm_items", 0)).replace(b"\xa8mm_items\x00", b"\xa8mm_items\x91" + item)
+    assert isinstance(bad_frame(frame), BadRequest)
+    assert owned_segments(unpack_lenient(frame), PREFIX) == []
