@@ -58,10 +58,9 @@ class Faults:
     def hits(self, stage: str, requests) -> frozenset[int]:
         """The indices of ``requests`` (anything with a ``rid``) that a fault of ``stage``
         hits: at once, without a look at them, where none is set (every batch, every rank)."""
-        globs = self._by_stage.get(stage)
-        if not globs:
+        if stage not in self._by_stage:
             return frozenset()
-        return frozenset(j for j, r in enumerate(requests) if any(fnmatch.fnmatchcase(r.rid, g) for g in globs))
+        return frozenset(j for j, r in enumerate(requests) if self.hit(stage, r.rid))
 
     def check(self, stage: str, rid: str) -> None:
         if self.hit(stage, rid):

@@ -6,6 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import BadRequest
+from .limits import MAX_MAP_KEYS
+
+
+def protocol_map(d: dict, field: str) -> dict:
+    """A map as the protocol means a header or an item: at most MAX_MAP_KEYS keys, each a string."""
+    if len(d) > MAX_MAP_KEYS:
+        raise BadRequest(field, f"a map of {len(d)} keys (at most {MAX_MAP_KEYS})")
+    if any(type(k) is not str for k in d):
+        raise BadRequest(field, "its keys must be strings")
+    return d
 
 
 def one_of(v: Any, choices) -> bool:

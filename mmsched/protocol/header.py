@@ -12,7 +12,10 @@ from typing import Any
 import msgpack
 
 from ..errors import BadRequest
+from .fields import protocol_map
 from .limits import MAX_MAP_KEYS, SMALL_HEADER, Limits
+
+MAX_DEPTH = 1024  # maps and arrays MessagePack reads inside each other (past it: StackError)
 
 
 def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
@@ -28,12 +31,10 @@ def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
     try:
         try:
             if frame_len(frame) <= min(SMALL_HEADER, limits.max_params_bytes):  # bounded whatever it holds
-                header = msgpack.unpackb(frame, raw=False, strict_map_key=True, object_pairs_hook=one_each)
+                header = msgpack.unpackb(frame, raw=False, strict_map_key=False, object_pairs_hook=one_each)
                 if not isinstance(header, dict):
                     raise BadRequest("header", "not a MessagePack map")
-                if len(header) > MAX_MAP_KEYS:
-                    raise BadRequest("header", f"a map of {len(header)} keys (at most {MAX_MAP_KEYS})")
-                return _string_keys(header)
+                return protocol_map(header, "header")
         except msgpack.StackError:
             pass  # nested past what MessagePack reads: field by field, so the others (the rid) are read
         header, budget = {}, Budget(limits.max_containers)
@@ -50,44 +51,34 @@ def unpack_header(frame: Any, limits: Limits = Limits()) -> dict:
                 header[key] = Unread(f"{value.nbytes} bytes exceed max_params_bytes={limits.max_params_bytes}")
                 continue
             try:
-                header[key] = msgpack.unpackb(value, raw=False, strict_map_key=True,
+                header[key] = msgpack.unpackb(value, raw=False, strict_map_key=False,
                                               **(_ONE_EACH if key == "params" else budget.hooks))
             except Budget.Spent:
                 header[key] = Unread(f"more than {limits.max_containers} maps and arrays in the header (max_items)")
             except msgpack.StackError:  # refused by name; the fields after it are still read (the rid)
                 header[key] = Unread(f"nested deeper than {MAX_DEPTH} levels")
-        return _string_keys(header)
+        return protocol_map(header, "header")
     except BadRequest:
         raise
-    except ValueError as exc:
-        if "not allowed for map key" in str(exc):  # strict_map_key: an int, nil or container key
-            raise BadRequest("header", "its keys must be strings") from exc
-        raise BadRequest("header", f"not a MessagePack map ({type(exc).__name__})") from exc
     except Exception as exc:  # msgpack raises several unrelated types
         raise BadRequest("header", f"not a MessagePack map ({type(exc).__name__})") from exc
 
 
-MAX_DEPTH = 1024  # maps and arrays MessagePack reads inside each other (past it: StackError)
-
-
 def one_each(pairs: list) -> dict:
-    """A map from its pairs, each key once: with a key twice, the checks would read one
-    value and a client mean the other (or the one shadowed would name a segment nothing
-    releases)."""
+    """A map from its pairs (every map of a header is built here), each key a string or a bin
+    and each once: with a key twice, the checks would read one value and a client mean the
+    other (or the one shadowed would name a segment nothing releases)."""
+    if any(type(k) is not str and type(k) is not bytes for k, _ in pairs):
+        raise BadRequest("header", "its keys must be strings")
     out = dict(pairs)
     if len(out) != len(pairs):
-        twice = next(k for i, (k, _) in enumerate(pairs) if any(k == j for j, _ in pairs[:i]))
+        seen: set = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
         raise BadRequest("header", f"a map names key {twice!r:.80} more than once")
     return out
 
 
 _ONE_EACH = {"object_pairs_hook": one_each}
-
-
-def _string_keys(header: dict) -> dict:
-    if any(type(k) is not str for k in header):
-        raise BadRequest("header", "its keys must be strings")
-    return header
 
 
 def unpacker(buf: memoryview) -> msgpack.Unpacker:
@@ -137,7 +128,7 @@ class HandSkips:
 
 class Walk:
     """MessagePack values one after another, each skipped without being built: by msgpack's
-    ``skip``, or, for one nested past the 1,024 levels msgpack reads, by hand (``skip_deep``,
+    ``skip``, or, for one nested past the MAX_DEPTH levels msgpack reads, by hand (``skip_deep``,
     as ``skips`` allows; each such skip reads the rest of the buffer again)."""
 
     def __init__(self, view: memoryview, skips: HandSkips):
@@ -153,8 +144,10 @@ class Walk:
             self.up.skip()
             return True
         except msgpack.StackError:
-            end = skip_deep(self.view, at) if self.skips.left > 0 else None
+            if self.skips.left <= 0:
+                return False
             self.skips.left -= 1
+            end = skip_deep(self.view, at)
             if end is None:
                 return False
             self.base, self.up = end, unpacker(self.view[end:])

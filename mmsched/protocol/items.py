@@ -8,8 +8,8 @@ from typing import Any, Sequence
 
 from ..errors import BadRequest
 from .dtypes import ITEMSIZE, nbytes as item_nbytes
-from .fields import is_int, one_of, opt_text
-from .limits import MAX_MAP_KEYS, MODALITIES, TRANSPORTS, Limits, valid_shm_name
+from .fields import is_int, one_of, opt_text, protocol_map
+from .limits import MODALITIES, TRANSPORTS, Limits, valid_shm_name
 from .messages import Item
 
 
@@ -17,26 +17,23 @@ def item(i: int, it: Any, frames: Sequence[Any], limits: Limits) -> Item:
     f = f"mm_items[{i}]"
     if not isinstance(it, dict):
         raise BadRequest(f, "must be a map")
-    if len(it) > MAX_MAP_KEYS:
-        raise BadRequest(f, f"a map of {len(it)} keys (at most {MAX_MAP_KEYS})")
-    if any(type(k) is not str for k in it):
-        raise BadRequest(f, "its keys must be strings")
+    protocol_map(it, f)
     transport = it.get("transport")
     if not one_of(transport, TRANSPORTS):
         raise BadRequest(f"{f}.transport", f"must be one of {sorted(TRANSPORTS)}")
     item_id = opt_text(it, "id", f)
     if transport == "session":
         return _session_item(i, it, f, item_id)
-    item = _sized_item(i, it, f, item_id, limits)
+    sized = _sized_item(i, it, f, item_id, limits)
     if transport == "shm":
-        _shm_fields(item, it, f, limits)
+        _shm_fields(sized, it, f, limits)
     elif transport == "inline":
-        _inline_payload(item, it, f, frames)
+        _inline_payload(sized, it, f, frames)
     elif transport == "memfd":
-        item.memfd, item.offset = _memfd(it.get("memfd"), f"{f}.memfd"), _offset(it, f)
+        sized.memfd, sized.offset = _memfd(it.get("memfd"), f"{f}.memfd"), _offset(it, f)
     else:
-        item.ipc = _ipc(it.get("ipc"), f"{f}.ipc", limits)
-    return item
+        sized.ipc = _ipc(it.get("ipc"), f"{f}.ipc", limits)
+    return sized
 
 
 def _session_item(i: int, it: dict, f: str, item_id: str | None) -> Item:
