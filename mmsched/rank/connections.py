@@ -42,6 +42,7 @@ class ConnectionBound:
     POLL_S = 0.1
     CHUNK = 4096  # events applied at once
     FD_MARGIN = 512  # descriptors short of the limit at which the door shuts whatever the count
+    SEEK_DOOR_S = 5.0  # how long to look for the listener in libzmq's epoll set after LISTENING
 
     def __init__(self, ctx: zmq.Context, sock: zmq.Socket, at_most: int):
         self.at_most, self.reopen_at = at_most, at_most - max(1, at_most // 10)
@@ -50,6 +51,7 @@ class ConnectionBound:
         self.fd_limit, self.low = resource.getrlimit(resource.RLIMIT_NOFILE)[0], False
         self.door: _Door = _Door()
         self._listener = None  # (family, port or path) of the bound socket
+        self._seeking: tuple[int, float] | None = None  # (listener descriptor, look until) while no door yet
         self._log = _Quiet(self.LOG_EVERY_S)
         inproc = f"inproc://mmsched-connections-{next(_ids)}"
         sock.monitor(inproc, ACCEPTED | DISCONNECTED | LISTENING)
@@ -82,8 +84,9 @@ class ConnectionBound:
     def _run(self) -> None:
         checked, every = 0.0, self.POLL_S
         while not self._stop.is_set():
-            if self._pair.poll(int(self.POLL_S * 1000)):
+            if self._pair.poll(5 if self._seeking else int(self.POLL_S * 1000)):
                 self._drain()
+            self._seek_door()
             if time.monotonic() - checked >= every:
                 checked = time.monotonic()
                 every = self._check_descriptors()
@@ -104,11 +107,27 @@ class ConnectionBound:
         gone_at = {fd: i for i, (kind, fd) in enumerate(events) if kind == DISCONNECTED}
         for i, (kind, fd) in enumerate(events):
             if kind == LISTENING:
-                self._listener, self.door = _local_name(fd), _door_for(fd)
+                self._listener, self._seeking = _local_name(fd), (fd, time.monotonic() + self.SEEK_DOOR_S)
             elif kind == DISCONNECTED:
                 self.open.discard(fd)
             elif kind == ACCEPTED and gone_at.get(fd, -1) < i:
                 self._accepted(fd)
+
+    def _seek_door(self) -> None:
+        """Find the listener's entry in libzmq's epoll set. The monitor says LISTENING from the
+        bind, before the I/O thread has added the listener to that set (seen here as a door that
+        never shut, on a loaded host), so it is looked for again until it is there."""
+        if self._seeking is None:
+            return
+        fd, until = self._seeking
+        door = _door_for(fd)
+        if door is None and time.monotonic() < until:
+            return
+        self._seeking = None
+        if door is None:
+            event("connections_door_failed", logging.WARNING, error="the listener is in no epoll set of this "
+                                                                   f"process after {self.SEEK_DOOR_S:g}s")
+        self.door = door or _Door()
 
     def _check_descriptors(self) -> float:
         """The truth behind the count: the process's open descriptors (admin HTTP connections,
@@ -217,8 +236,9 @@ class _EpollEvent(ctypes.Structure):
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _door_for(listener_fd: int) -> _Door:
-    """The listener's entry in libzmq's epoll set, as a door; a door that shuts nothing if none."""
+def _door_for(listener_fd: int) -> _Door | None:
+    """The listener's entry in libzmq's epoll set, as a door; None if it is in none (yet); a
+    door that shuts nothing if the listener is gone."""
     try:
         inode = os.fstat(listener_fd).st_ino
     except OSError as exc:
@@ -234,8 +254,7 @@ def _door_for(listener_fd: int) -> _Door:
             f = line.split()
             if f[:1] == ["tfd:"] and int(f[1]) == listener_fd and f"ino:{inode:x}" in f:
                 return _AcceptPause(int(name), listener_fd, int(f[3], 16), int(f[5], 16))
-    event("connections_door_failed", logging.WARNING, error="the listener is in no epoll set of this process")
-    return _Door()
+    return None
 
 
 def _local_name(fd: int) -> tuple | None:
