@@ -35,7 +35,7 @@ from .rank import Follower, Leader
 from .remote import Topology
 from .sessions import SessionStore
 from .step.engine_step import FlaggedGather
-from .timeslice import request_slice
+from .timeslice import lower_gloo_loops, request_slice
 from .transport import Transports
 
 
@@ -68,6 +68,8 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         event("group_init_failed", logging.ERROR, error=describe(exc))
         return 3
     outlive_launcher(rank)  # the group and its engine are up
+    if world > 1 and cfg.sched_slice_us > 0 and not lower_gloo_loops():  # for ranks that mostly wait, as the slice
+        event("gloo_loops_not_found", logging.WARNING, thread="gloo_tcp_loop")
     lane = make_lane(cfg)
     runner = BatchRunner(group, engine, faults, unlinks=(rank == 0),
                          sessions=SessionStore(cfg.session_max_bytes, cfg.session_max_count, cfg.session_max_features),

@@ -37,3 +37,31 @@ def request_slice(us: int) -> str | None:
         if libc.syscall(_SCHED_SETATTR, tid, attr, 0) != 0:
             return f"sched_setattr: {os.strerror(ctypes.get_errno())} (the kernel takes 100 to 100000 us)"
     return None
+
+
+GLOO_LOOP_NICE = 10  # nice levels below the rank's own for gloo's TCP loop threads
+
+
+def lower_gloo_loops(step: int = GLOO_LOOP_NICE) -> int:
+    """Run gloo's TCP loop threads ``step`` nice levels below the rank; how many there were.
+
+    Why: that thread takes a pair's lock with ``try_lock`` and, when it cannot, returns to its
+    (level-triggered) epoll_wait at once, so it spins until the lock is free. Woken by a
+    peer's bytes on a CPU where the thread holding the lock (gloo's worker, posting this
+    rank's send or receive) was running, it preempts that thread and then spins on the
+    CPU the holder needs, until the kernel's next tick. Measured here, two idle processes,
+    one CPU each, an all-gather every 0.3 ms: p50 3.0 ms, p90 3.6 (back to back: p90 2.7);
+    with the loop threads at nice +10: p50 0.24 ms, p90 2.9, mean 2.07 -> 0.67 ms; beside a
+    busy thread: p90 1.0 -> 0.55 ms. Served at tp=2, 1000 req/s: p99 4.5-5.9 -> 2.5-3.7 ms.
+    Call it once the process groups exist (each has its own loop thread)."""
+    base, lowered = os.getpriority(os.PRIO_PROCESS, 0), 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                if fh.read().strip() != "gloo_tcp_loop":
+                    continue
+            os.setpriority(os.PRIO_PROCESS, int(tid), min(19, base + step))
+            lowered += 1
+        except OSError:  # the thread ended meanwhile
+            continue
+    return lowered

@@ -46,3 +46,27 @@ def test_a_rank_thread_started_after_the_request_keeps_the_short_slice():
 
 def test_zero_asks_nothing():
     assert request_slice(0) is None
+
+
+def test_gloos_tcp_loop_threads_run_below_the_rank_and_nothing_else_does(tmp_path):
+    """Each process group's TCP loop thread goes 10 nice levels down (it spins on a lock the
+    thread it preempted holds); the rank's own threads keep their priority."""
+    code = textwrap.dedent(f"""
+        import os, threading, torch.distributed as dist
+        from mmsched.timeslice import GLOO_LOOP_NICE, lower_gloo_loops
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+        dist.new_group([0], backend="gloo")  # a second group: a second loop thread
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        n = lower_gloo_loops()
+        seen = {{}}
+        for tid in os.listdir("/proc/self/task"):
+            comm = open(f"/proc/self/task/{{tid}}/comm").read().strip()
+            seen.setdefault(comm, set()).add(os.getpriority(os.PRIO_PROCESS, int(tid)) - base)
+        print(n, GLOO_LOOP_NICE, sorted(seen.pop("gloo_tcp_loop")), sorted(set().union(*seen.values())))
+        dist.destroy_process_group()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    n, step, loops, others = out.stdout.split(" ", 3)
+    assert int(n) >= 2, out.stdout
+    assert loops == f"[{step}]" and others.strip() == "[0]", out.stdout
