@@ -3,7 +3,8 @@
     .venv/bin/python bench/consensus.py [--tp 2,4] [--batches 1,8,64] [--budget 0.6] [--json FILE]
 
 For each group size a real gloo process group is spawned (127.0.0.1, one torch thread per
-rank, the scheduler slice a rank asks for, built with ``mmsched.group.GlooGroup``). For each batch size both approaches agree
+rank, each on its share of the CPUs with the scheduler slice a rank asks for and gloo's loop
+threads lowered as a rank lowers them, built with ``mmsched.group.GlooGroup``). For each batch size both approaches agree
 the same flags:
 
 - reference: ``consensus.agree_per_request`` — one ``all_gather_object`` per request;
@@ -63,11 +64,15 @@ def _worker(rank: int, world: int, port: int, batches: list[int], budget: float,
     from mmsched import consensus
     from mmsched.config import Config
     from mmsched.group import GlooGroup
-    from mmsched.timeslice import request_slice
+    from mmsched.affinity import pin_rank
+    from mmsched.timeslice import lower_gloo_loops, request_slice
 
-    request_slice(Config().sched_slice_us)  # as a rank does, before gloo starts its threads
-
+    cfg = Config()  # as a rank runs, before gloo starts its threads: its CPUs, its slice
+    pin_rank(cfg.cpu_affinity, world, {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
+    request_slice(cfg.sched_slice_us)
     group = GlooGroup(rank, world, f"tcp://127.0.0.1:{port}", timeout_s=60)
+    if cfg.sched_slice_us > 0:
+        lower_gloo_loops()  # and, the group up, its gloo loop threads below it
     barrier = np.zeros(8, dtype=np.uint8)  # one flag's bytes
 
     def agreed(*values: int) -> list[int]:
