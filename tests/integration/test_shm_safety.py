@@ -460,3 +460,21 @@ async def test_pooled_segment_truncated_while_ranks_copy_never_crashes_a_rank(se
     assert ok.status == 200, ok
     assert server.proc.poll() is None, f"the server died:\n{server.logs()[-3000:]}"
     assert sum(statuses.values()) == 120, statuses
+
+
+async def test_a_client_with_another_prefix_takes_back_the_segments_the_server_refused(start_server):
+    """The server never opens nor unlinks a name without its prefix, and its sweep never looks
+    at one: a client configured with another prefix gets a 400 naming the server's, and its
+    segments come back to it (an outside test left 7,693 in /dev/shm that nobody would unlink)."""
+    from mmsched.client import shm
+
+    srv = start_server("--shm-prefix", "mmpfx_")
+    ours = {n for n in os.listdir(SHM) if n.startswith("mmsched_")}
+    async with Client(srv.addr) as c:  # the default prefix, mmsched_
+        r = await c.embed([1, 2, 3], [shm(torch.arange(64, dtype=torch.float32)),
+                                      shm(torch.ones(8, dtype=torch.uint8))], timeout=30)
+        assert (r.status, r.err_type) == (400, "BadRequestError"), r
+        assert r.message.startswith("mm_items[0].shm_name: must start with 'mmpfx_'"), r.message
+        assert {n for n in os.listdir(SHM) if n.startswith("mmsched_")} == ours
+        ok = await c.embed([1, 2, 3], timeout=30)  # and the connection goes on
+        assert ok.status == 200, ok
