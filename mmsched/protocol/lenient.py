@@ -24,6 +24,8 @@ def unpack_lenient(frame: Any) -> dict | None:
     decoded, so the cost stays in proportion to the frame's bytes."""
     try:
         header: dict = {"mm_items": []}
+        if b"mm_items" not in bytes(frame):  # no key of that name (a text request's 400): ~0.3 us, not ~22
+            return header
         skips = HandSkips()  # for the whole message: its items' walks too
         for key, value in map_entries(frame, trailing_ok=True, lenient=True, skips=skips):
             if value is not None and _text(map_key(key, "replace")) == "mm_items":  # every one: a key

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..protocol.batch import Batch
 from ..config import Config
-from ..log import event
+from ..log import event, sampled_event
 from ..protocol import ABORTED, BAD_REQUEST, INTERNAL, UNAVAILABLE, Request, ack_close, result
 from ..sessions import SessionStore, scoped, unscoped
 
@@ -74,7 +74,7 @@ class Admission:
     def _refusal(self, req: Request, unavailable: str | None) -> tuple[int, str] | None:
         bad_ref = self._unknown_ref(req)
         if bad_ref:
-            event("bad_request", rid=req.rid, field=bad_ref.split(":", 1)[0], error=bad_ref)
+            sampled_event("bad_request", rid=req.rid, field=bad_ref.split(":", 1)[0], error=bad_ref)
             return BAD_REQUEST, bad_ref
         if req.key in self.queue or req.key in self.inflight:
             return BAD_REQUEST, "rid: already in flight for this client"
@@ -197,8 +197,8 @@ class Admission:
             self._forget(req)
             self.inflight.pop(req.key, None)
             if res["status"] == INTERNAL:
-                event("request_failed", logging.WARNING, rid=req.rid, failed_ranks=res["meta"].get("failed_ranks"),
-                  error=res["message"])
+                sampled_event("request_failed", logging.WARNING, rid=req.rid,
+                              failed_ranks=res["meta"].get("failed_ranks"), error=res["message"])
             replies.append(Reply(req.client, res, req))
         return replies
 

@@ -20,7 +20,7 @@ from ..protocol.batch import Batch
 from ..config import Config
 from ..errors import BadRequest, GroupBroken, describe
 from ..lane import Lane
-from ..log import event
+from ..log import event, sampled_event
 from ..protocol import BAD_REQUEST, INTERNAL, UNAVAILABLE, Abort, CloseSession, Ping, Request, result
 from ..sweep import sweep_every
 from ..transport.shm import Holds
@@ -99,7 +99,7 @@ class Leader:
             header = protocol.unpack_lenient(body[0])  # reads past what made it a 400
             self.status.unlinked_at_leader += release_malformed(header, self.cfg.limits.shm_prefix, exc.rid,
                                                                 self.holds.unlink_unheld)
-            event("bad_request", rid=exc.rid, field=exc.field, error=str(exc))
+            sampled_event("bad_request", rid=exc.rid, field=exc.field, error=str(exc))
             self._carry([Reply(client, result(exc.rid, BAD_REQUEST, str(exc)))])
             return
         except Exception as exc:  # a bug must not take the loop down; the client still gets an answer

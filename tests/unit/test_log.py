@@ -1,0 +1,37 @@
+"""Events any client can cause at will are sampled: a flood of 400s is a few lines a second
+and one count, not a line per request."""
+
+from __future__ import annotations
+
+import logging
+
+from mmsched import log
+
+
+def test_a_flood_of_one_event_is_sampled_and_what_was_held_back_is_counted(monkeypatch):
+    lines, now = [], [100.0]
+    monkeypatch.setattr(log, "event", lambda name, level=logging.INFO, **f: lines.append((name, f)))
+    monkeypatch.setattr(log.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(log, "_sampled", {})
+    for i in range(log.SAMPLED_PER_S + 30):  # one second's flood
+        log.sampled_event("bad_request", rid=f"r{i}")
+    assert [f["rid"] for _, f in lines] == [f"r{i}" for i in range(log.SAMPLED_PER_S)]
+    log.sampled_event("other_event", rid="x")  # another event has its own allowance
+    assert lines[-1] == ("other_event", {"rid": "x"})
+    now[0] += 1.0
+    log.sampled_event("bad_request", rid="next")
+    assert lines[-2:] == [("bad_request_suppressed", {"count": 30}), ("bad_request", {"rid": "next"})]
+    now[0] += 5.0
+    log.sampled_event("bad_request", rid="calm")  # nothing held back: no count line
+    assert lines[-1] == ("bad_request", {"rid": "calm"}) and lines[-2][0] == "bad_request"
+
+
+def test_a_400_without_mm_items_skips_the_lenient_walk_and_one_with_them_does_not():
+    import msgpack
+
+    from mmsched.protocol import owned_segments, unpack_lenient
+
+    text = msgpack.packb({"v": 1, "type": "embed", "rid": "a", "input_ids": "oops"})
+    assert unpack_lenient(text) == {"mm_items": []}
+    named = msgpack.packb({"v": 9, "mm_items": [{"transport": "shm", "shm_name": "mmsched_x1"}]})
+    assert owned_segments(unpack_lenient(named), "mmsched_") == ["mmsched_x1"]
