@@ -263,7 +263,7 @@ class Client:
                 fut = self._results.pop(res.rid, None) if res.rid is not None else None
                 held = self._held.pop(res.rid, None) if res.rid is not None else None
                 if held is not None:
-                    held.answered(res.status, res.message)
+                    held.answered(res.status)
                 if fut is None or fut.done():
                     self.unrouted.append(res)
                 else:

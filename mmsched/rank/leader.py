@@ -20,7 +20,7 @@ from ..protocol.batch import Batch
 from ..config import Config
 from ..errors import BadRequest, GroupBroken, describe
 from ..lane import Lane
-from ..log import event, sampled_event
+from ..log import event, flush_sampled, sampled_event
 from ..protocol import BAD_REQUEST, INTERNAL, UNAVAILABLE, Abort, CloseSession, Ping, Request, result
 from ..sweep import sweep_every
 from ..transport.shm import Holds
@@ -232,7 +232,7 @@ class Leader:
                   connections_at_most=self.frontend.connections.at_most)
             tasks = [asyncio.ensure_future(self.frontend.recv_from_clients(self._on_message, self._received)),
                      asyncio.ensure_future(sweep_every(self.cfg.shm_prefix, self.cfg.sweep_grace,
-                                                       self.cfg.sweep_interval, self.core.segments, self._reclaimed))]
+                                                       self.cfg.sweep_interval, self.core.segments, self.status.reclaimed))]
             yield
         finally:
             if admin:
@@ -242,11 +242,9 @@ class Leader:
             await asyncio.gather(*tasks, return_exceptions=True)
             self.frontend.read_unread(self._on_message)  # stopped or broken: answered 503
             self.frontend.close()
+            flush_sampled(everything=True)  # the last second's held-back lines counted, before the exit
             if self.life.state is State.STOPPED:  # counted after the last 503s of the closing socket
                 event("stopped", results=dict(sorted(self.status.results_sent.items())))
-
-    def _reclaimed(self, n: int) -> None:
-        self.status.orphans_reclaimed += n
 
     async def _stopped(self) -> int:
         if not self.life.now:

@@ -48,6 +48,10 @@ class Status:
         self.follower_counters: dict[int, dict] = {}  # as of their last report
         self.metrics = Metrics(self)
 
+    def reclaimed(self, n: int) -> None:
+        """The orphan sweep took ``n`` segments."""
+        self.orphans_reclaimed += n
+
     def health(self) -> tuple[bool, str]:
         return health(self._life, self._lane, self._lost, self._deadline_s, self.topology, self.world)
 

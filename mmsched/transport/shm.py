@@ -22,7 +22,7 @@ import torch
 
 from ..errors import FeatureError, InjectedFault, describe
 from ..faults import Faults
-from ..log import event
+from ..log import event, sampled_event
 from ..protocol import Item
 from ..segments import SegmentTooSmall, shm_path
 from .base import OpenedFeature, typed
@@ -109,7 +109,7 @@ def unlink_segment(name: str, rid: str | None = None, quiet_if_missing: bool = F
         return True
     except FileNotFoundError:
         if not quiet_if_missing:
-            event("unlink_missing", logging.WARNING, rid=rid, shm=name)
+            sampled_event("unlink_missing", logging.WARNING, rid=rid, shm=name)  # a client can cause it at will
     except OSError as exc:
         event("unlink_failed", logging.WARNING, rid=rid, shm=name, error=describe(exc))
     return False

@@ -464,8 +464,9 @@ async def test_pooled_segment_truncated_while_ranks_copy_never_crashes_a_rank(se
 
 async def test_a_client_with_another_prefix_takes_back_the_segments_the_server_refused(start_server):
     """The server never opens nor unlinks a name without its prefix, and its sweep never looks
-    at one: a client configured with another prefix gets a 400 naming the server's, and its
-    segments come back to it (an outside test left 7,693 in /dev/shm that nobody would unlink)."""
+    at one: a client configured with another prefix gets its 400s (the prefix's, or another
+    field's found first), and its segments come back to it (an outside test left 7,693 in
+    /dev/shm that nobody would unlink)."""
     from mmsched.client import shm
 
     srv = start_server("--shm-prefix", "mmpfx_")
@@ -475,6 +476,11 @@ async def test_a_client_with_another_prefix_takes_back_the_segments_the_server_r
                                       shm(torch.ones(8, dtype=torch.uint8))], timeout=30)
         assert (r.status, r.err_type) == (400, "BadRequestError"), r
         assert r.message.startswith("mm_items[0].shm_name: must start with 'mmpfx_'"), r.message
+        assert {n for n in os.listdir(SHM) if n.startswith("mmsched_")} == ours
+        # a 400 for another field first (here an earlier item's modality) takes them back too
+        odd = raw({"modality": "smell", "transport": "inline", "dtype": "uint8", "shape": [1], "frame": -1}, b"x")
+        r = await c.embed([1, 2, 3], [odd, shm(torch.ones(8, dtype=torch.uint8))], timeout=30)
+        assert (r.status, r.message.split(":")[0]) == (400, "mm_items[0].modality"), r
         assert {n for n in os.listdir(SHM) if n.startswith("mmsched_")} == ours
         ok = await c.embed([1, 2, 3], timeout=30)  # and the connection goes on
         assert ok.status == 200, ok

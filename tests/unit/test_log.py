@@ -26,6 +26,27 @@ def test_a_flood_of_one_event_is_sampled_and_what_was_held_back_is_counted(monke
     assert lines[-1] == ("bad_request", {"rid": "calm"}) and lines[-2][0] == "bad_request"
 
 
+def test_a_held_back_count_is_written_once_its_second_is_over_or_at_stop(monkeypatch):
+    """Not only with the next line of its event: a flood that stops would keep it forever."""
+    lines, now = [], [100.0]
+    monkeypatch.setattr(log, "event", lambda name, level=logging.INFO, **f: lines.append((name, f)))
+    monkeypatch.setattr(log.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(log, "_sampled", {})
+    for i in range(log.SAMPLED_PER_S + 7):
+        log.sampled_event("request_failed", rid=f"r{i}")
+    log.flush_sampled()  # the second is not over: nothing yet
+    assert len(lines) == log.SAMPLED_PER_S
+    now[0] += 1.5
+    log.flush_sampled()
+    assert lines[-1] == ("request_failed_suppressed", {"count": 7})
+    log.flush_sampled()  # written once
+    assert len(lines) == log.SAMPLED_PER_S + 1
+    for i in range(log.SAMPLED_PER_S + 3):
+        log.sampled_event("request_failed", rid=f"s{i}")
+    log.flush_sampled(everything=True)  # at stop, the current second's too
+    assert lines[-1] == ("request_failed_suppressed", {"count": 3})
+
+
 def test_a_400_without_mm_items_skips_the_lenient_walk_and_one_with_them_does_not():
     import msgpack
 
