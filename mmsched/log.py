@@ -119,6 +119,6 @@ def _client_parse_error(record: logging.LogRecord) -> bool:
     exc = record.exc_info[1] if record.exc_info else None
     cause = exc.__cause__ if isinstance(exc, RequestPayloadError) else exc  # a body, logged again after its 400
     if isinstance(cause, HttpProcessingError) and 400 <= (cause.code or 0) < 500:
-        event("bad_http_request", peer=record.args[0] if record.args else None, error=describe(exc))
+        sampled_event("bad_http_request", peer=record.args[0] if record.args else None, error=describe(exc))
         return False
     return True

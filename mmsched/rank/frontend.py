@@ -16,7 +16,7 @@ from ..auth import claim_ipc, ipc_identity, ipc_lost, remove_ipc, restrict_ipc, 
 from ..config import Config
 from ..descriptors import connections_at_most
 from ..errors import ConfigError, describe
-from ..log import event
+from ..log import event, sampled_event
 from ..protocol import INTERNAL, pack, result
 from .connections import ConnectionBound
 
@@ -93,7 +93,7 @@ class Frontend:
             _send(self._raw, client, SNDMORE_NOBLOCK)
             _send(self._raw, _packed(header, self._packer.pack), NOBLOCK)
         except zmq.ZMQError as exc:
-            event("send_failed", logging.WARNING, rid=header.get("rid"), error=describe(exc))
+            sampled_event("send_failed", logging.WARNING, rid=header.get("rid"), error=describe(exc))
         self._check.set()
 
     def read_unread(self, handle: Handler) -> None:

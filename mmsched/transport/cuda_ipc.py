@@ -18,7 +18,7 @@ import torch
 from ..devices import Device, device_for
 from ..errors import FeatureError, describe
 from ..faults import Faults
-from ..log import event
+from ..log import sampled_event
 from ..protocol import Item
 from ..segments import ACK_CELL, ack_cell, same_file, shm_path
 from .base import OpenedFeature, typed
@@ -106,7 +106,7 @@ def acknowledge(item: Item, ranks: range | list[int], rid: str | None = None,
         finally:
             boards.release(lease)
     except Exception as exc:  # noqa: BLE001 - a release path
-        event("ack_failed", logging.WARNING, rid=rid, acks=ipc.get("acks"), error=describe(exc))
+        sampled_event("ack_failed", logging.WARNING, rid=rid, acks=ipc.get("acks"), error=describe(exc))
 
 
 class CudaIpcFeature(OpenedFeature):
