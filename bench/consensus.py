@@ -65,14 +65,15 @@ def _worker(rank: int, world: int, port: int, batches: list[int], budget: float,
     from mmsched.config import Config
     from mmsched.group import GlooGroup
     from mmsched.affinity import pin_rank
-    from mmsched.timeslice import lower_gloo_loops, request_slice
+    from mmsched.timeslice import lower_gloo_loops, request_slice, thread_ids
 
     cfg = Config()  # as a rank runs, before gloo starts its threads: its CPUs, its slice
     pin_rank(cfg.cpu_affinity, world, {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
     request_slice(cfg.sched_slice_us)
+    before = thread_ids()
     group = GlooGroup(rank, world, f"tcp://127.0.0.1:{port}", timeout_s=60)
     if cfg.sched_slice_us > 0:
-        lower_gloo_loops()  # and, the group up, its gloo loop threads below it
+        lower_gloo_loops(before)  # and, the group up, its gloo loop threads below it
     barrier = np.zeros(8, dtype=np.uint8)  # one flag's bytes
 
     def agreed(*values: int) -> list[int]:

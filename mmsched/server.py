@@ -35,7 +35,7 @@ from .rank import Follower, Leader
 from .remote import Topology
 from .sessions import SessionStore
 from .step.engine_step import FlaggedGather
-from .timeslice import lower_gloo_loops, request_slice
+from .timeslice import lower_gloo_loops, request_slice, thread_ids
 from .transport import Transports
 
 
@@ -47,6 +47,7 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
     except ConfigError as exc:
         event("config_error", logging.ERROR, error=str(exc))
         return 2
+    before_groups = thread_ids()  # gloo's threads are the ones started from here on
     try:
         group, topology = _join_group(cfg, rank, world)
     except Exception as exc:
@@ -68,7 +69,7 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         event("group_init_failed", logging.ERROR, error=describe(exc))
         return 3
     outlive_launcher(rank)  # the group and its engine are up
-    if world > 1 and cfg.sched_slice_us > 0 and not lower_gloo_loops():  # for ranks that mostly wait, as the slice
+    if world > 1 and cfg.sched_slice_us > 0 and not lower_gloo_loops(before_groups):  # ranks that mostly wait
         event("gloo_loops_not_found", logging.WARNING, thread="gloo_tcp_loop")
     lane = make_lane(cfg)
     runner = BatchRunner(group, engine, faults, unlinks=(rank == 0),
