@@ -65,7 +65,8 @@ async def _first_pong(spec: LoadSpec, client: Client, r: Run) -> int | None:
     try:
         return int((await client.ping(timeout=wait_s)).get("ranks", 1))
     except asyncio.TimeoutError:
-        r.stopped_by = f"no pong from {spec.frontend} within {wait_s:g} s: is the server up? (make serve)"
+        r.stopped_by = (f"no pong from {spec.frontend} within {wait_s:g} s: is the server up? (make serve; "
+                        "or at its connection bound: connections_full in its log)")
         return None
 
 
