@@ -7,6 +7,7 @@ import logging
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 from .errors import describe
 
@@ -21,7 +22,17 @@ def event(name: str, level: int = logging.INFO, **fields) -> None:
 
 
 SAMPLED_PER_S = 20  # lines a second of one sampled event; the rest are counted
-_sampled: dict[str, list] = {}  # event name: [end of its second, lines in it, lines held back]
+
+
+@dataclass(slots=True)
+class _Second:
+    """One sampled event's current second: when it ends, lines written, lines held back."""
+    ends: float = 0.0
+    written: int = 0
+    held: int = 0
+
+
+_sampled: dict[str, _Second] = {}
 _sampled_lock = threading.Lock()  # the loop and the lane both unlink segments
 
 
@@ -33,12 +44,15 @@ def sampled_event(name: str, level: int = logging.INFO, **fields) -> None:
     not), and a misconfigured client would fill the disk. The results metric counts them all."""
     now = time.monotonic()
     with _sampled_lock:
-        window = _sampled.setdefault(name, [0.0, 0, 0])
-        if now >= window[0]:
-            _held_back(name, window)
-            window[:] = [now + 1.0, 0, 0]
-        write = window[1] < SAMPLED_PER_S
-        window[1 if write else 2] += 1
+        second = _sampled.setdefault(name, _Second())
+        if now >= second.ends:
+            _write_held(name, second)
+            second.ends, second.written = now + 1.0, 0
+        write = second.written < SAMPLED_PER_S
+        if write:
+            second.written += 1
+        else:
+            second.held += 1
     if write:
         event(name, level, **fields)
 
@@ -49,15 +63,15 @@ def flush_sampled(everything: bool = False) -> None:
     The leader calls it after every batch, heartbeats included."""
     now = time.monotonic()
     with _sampled_lock:
-        for name, window in _sampled.items():
-            if window[2] and (everything or now >= window[0]):
-                _held_back(name, window)
-                window[2] = 0
+        for name, second in _sampled.items():
+            if everything or now >= second.ends:
+                _write_held(name, second)
 
 
-def _held_back(name: str, window: list) -> None:
-    if window[2]:
-        event(f"{name}_suppressed", logging.WARNING, count=window[2])
+def _write_held(name: str, second: _Second) -> None:
+    if second.held:
+        event(f"{name}_suppressed", logging.WARNING, count=second.held)
+        second.held = 0
 
 
 class _TextFormatter(logging.Formatter):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..protocol.batch import Batch
 from ..config import Config
-from ..log import event, flush_sampled, sampled_event
+from ..log import event, sampled_event
 from ..protocol import ABORTED, BAD_REQUEST, INTERNAL, UNAVAILABLE, Request, ack_close, result
 from ..sessions import SessionStore, scoped, unscoped
 
@@ -200,7 +200,6 @@ class Admission:
                 sampled_event("request_failed", logging.WARNING, rid=req.rid,
                               failed_ranks=res["meta"].get("failed_ranks"), error=res["message"])
             replies.append(Reply(req.client, res, req))
-        flush_sampled()  # after every batch, heartbeats included: no held-back count waits long
         return replies
 
     # ------------------------------------------------------------ stopping

@@ -197,6 +197,7 @@ class Leader:
         if consensus_s is not None:
             self.status.metrics.consensus_seconds.observe(consensus_s)
         self._carry(self.core.finish(batch, results))
+        flush_sampled()  # after every batch, heartbeats included: no held-back count waits long
 
     def _carry(self, replies) -> None:
         """Carry out the core's answers: release what no rank read, drop the locks, send."""
