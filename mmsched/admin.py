@@ -68,6 +68,7 @@ class AdminServer:
         except OSError as exc:
             await self.close()
             raise ConfigError(f"admin: cannot listen on {host}:{port}: {exc.strerror}") from exc
+        port = self._site.sockets[0].getsockname()[1]  # the one the kernel chose, for port 0
         event("admin_listening", address=f"http://{host}:{port}")
 
     async def close(self) -> None:

@@ -39,7 +39,7 @@ class Config:
     zmq_hwm: int = _opt(100000, "ZeroMQ high-water mark (messages) of the frontend, both directions", 0, 1 << 30)
     max_message_bytes: int = _opt(256 << 20, "most bytes one message may hold, all frames (inline payloads included)", 1024, 1 << 40)
     max_inflight_bytes: int = _opt(8 << 30, "most feature bytes queued and running together; beyond it, 503", 0, 1 << 44)
-    admin: str = _opt("", "admin HTTP endpoint for /health and /metrics: PORT or HOST:PORT (host 127.0.0.1); off when empty")
+    admin: str = _opt("", "admin HTTP endpoint for /health and /metrics: PORT or HOST:PORT (host 127.0.0.1; port 0: a free one, named in admin_listening); off when empty")
     tp: int = _opt(1, "number of ranks in the group", 1, 256)
     dist_init: str = _opt("", "torch.distributed init address for --tp N (default: a free 127.0.0.1 port)")
     shm_prefix: str = _opt("mmsched_", "only segments with this prefix are opened or unlinked "
@@ -226,8 +226,8 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None,
     if not cfg.frontend.startswith(("ipc://", "tcp://")) or cfg.frontend in ("ipc://", "tcp://"):
         raise ConfigError(f"frontend: {cfg.frontend!r} is not an ipc:// or tcp:// address")
     port = cfg.admin.rpartition(":")[2]
-    if cfg.admin and not (port.isdigit() and 0 < int(port) < 65536):
-        raise ConfigError(f"admin: {cfg.admin!r} is not PORT or HOST:PORT (port 1..65535)")
+    if cfg.admin and not (port.isdigit() and 0 <= int(port) < 65536):  # 0: a free port, named in admin_listening
+        raise ConfigError(f"admin: {cfg.admin!r} is not PORT or HOST:PORT (port 0..65535)")
     try:
         if not 0 <= int(cfg.ipc_mode, 8) <= 0o777:
             raise ValueError

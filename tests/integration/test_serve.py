@@ -404,6 +404,24 @@ def test_malformed_http_on_the_admin_port_is_one_json_line_each(start_server):
     assert not [e for e in events if e["level"] == "error" or "exc" in e], events
 
 
+def test_admin_port_zero_listens_on_a_free_port_named_in_its_log(start_server):
+    """``--admin 127.0.0.1:0`` was refused at start-up (an outside client running several
+    servers wanted the kernel to pick); now it listens on a free port, which
+    ``admin_listening`` names, and that port answers /health."""
+    import socket as sk
+
+    srv = start_server("--admin", "127.0.0.1:0", "--log-format", "json")
+    listening = [e for e in _json_events(srv.logs()) if e["event"] == "admin_listening"]
+    assert len(listening) == 1, listening
+    host, port = listening[0]["address"].removeprefix("http://").rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0, listening
+    with sk.create_connection((host, int(port))) as s:
+        s.settimeout(10)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    assert srv.stop() == 0
+
+
 def _json_events(logs: str) -> list[dict]:
     """Every line of a ``--log-format json`` log, parsed: the test fails on any line that is not JSON."""
     lines = [line for line in logs.splitlines() if line.strip()]
