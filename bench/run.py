@@ -19,7 +19,9 @@
    against one gloo broadcast of the same bytes), when it is there;
 6. sync client: bench/sync_client.py, a plain synchronous pyzmq DEALER (no asyncio, not
    our load generator): text-only throughput with 256 in flight, and p50/p99 in an open
-   loop at 1000 req/s, each against the bare ROUTER.
+   loop at 1000 req/s, each against the bare ROUTER; then the same open loops against
+   bench/floor_server.py, a tp=2 server that does only what every tp=2 batch must (a
+   ROUTER and one gloo all-gather a batch): a floor row beside the tp=2 latency targets.
 
 Targets are issue 13's; a ratio target is ">=", a latency target is in ms.
 
@@ -205,8 +207,9 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def sync_client(procs: dict[str, Proc], quick: bool) -> dict:
-    """The plain synchronous client against bare, tp1, tp2: closed-loop rate, open-loop latency."""
+def sync_client(procs: dict[str, Proc], quick: bool, log_dir: str) -> dict:
+    """The plain synchronous client against bare, tp1, tp2: closed-loop rate, open-loop latency;
+    then against the floor server (bench/floor_server.py) at the rates tp2 was measured at."""
     import sync_client as sc
 
     secs = 1.5 if quick else 3.0
@@ -233,7 +236,28 @@ def sync_client(procs: dict[str, Proc], quick: bool) -> dict:
             print(f"  sync client {target} @ {rate:.0f} req/s (0.5 x max): p50 {_ms(h['ours']['p50_ms'])} ms "
                   f"p99 {_ms(h['ours']['p99_ms'])} ms (bare {_ms(h['bare']['p50_ms'])} / {_ms(h['bare']['p99_ms'])}; "
                   f"the client used {h['ours']['client_cores']:.2f} cores)", file=sys.stderr, flush=True)
+    out["floor"] = _floor(out, secs, log_dir)
     return out
+
+
+def _floor(out: dict, secs: float, log_dir: str) -> dict:
+    """The floor server's p50/p99 at SYNC_RATE and at tp2's half rate, started only for them
+    (its ranks would take CPU from the other runs)."""
+    import sync_client as sc
+
+    floor = Proc("floor", [os.path.join(HERE, "floor_server.py")], log_dir)
+    try:
+        floor.wait_ready()
+        rates = [SYNC_RATE] + ([out["half"]["tp2"]["rate"]] if "tp2" in out["half"] else [])
+        got = {f"{rate:.0f}": sc.open_loop(floor.addr, rate, secs) for rate in rates}
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"  floor server: {exc}", file=sys.stderr, flush=True)
+        return {}
+    finally:
+        floor.stop()
+    print("  floor server (tp=2): " + ", ".join(f"@ {k} req/s p50 {_ms(v['p50_ms'])} p99 {_ms(v['p99_ms'])} ms"
+                                                for k, v in got.items()), file=sys.stderr, flush=True)
+    return got
 
 
 def sub_bench(tmp: str, name: str, args: list[str], timeout: float = 240.0) -> dict:
@@ -353,6 +377,12 @@ def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: d
         reason = "bench/consensus.py not present" if cons.get("missing") else cons.get("error", "not run")
         rows.append({"section": "consensus", "case": f"(placeholder: {reason})", "ours": "-", "ceiling": "-",
                      "ceiling_name": "", "ratio": None, "target": None, "verdict": ""})
+    for rate, f in (sync or {}).get("floor", {}).items():  # a whole tp=2 server doing only what every batch must
+        for q in ("p50", "p99"):
+            rows.append({"section": "floor", "case": f"tp=2 floor server, {q} open loop @ {rate} req/s",
+                         "ours": _ms(f[q + "_ms"]) + " ms", "ceiling": "-", "ratio": None, "target": None,
+                         "ceiling_name": "ROUTER + one gloo all-gather a batch (bench/floor_server.py)",
+                         "verdict": ""})
     for f in cons.get("floors", []):  # what no batch at tp > 1 can beat: beside the latency targets
         for q in ("p50", "p99"):
             rows.append({"section": "floor", "case": f"tp={f['tp']} one all-gather of one flag, {q}, 1 ms apart",
@@ -404,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "latency" not in skip and time.monotonic() < deadline:
                     lat = latency(procs, tput, args.quick)
                 if "sync" not in skip and time.monotonic() < deadline:
-                    sync = sync_client(procs, args.quick)
+                    sync = sync_client(procs, args.quick, tmp)
             finally:
                 for proc in procs.values():
                     proc.stop()

@@ -46,3 +46,15 @@ def test_the_plain_clients_half_rate_rows_are_judged_against_the_2_ms_target():
                     "tp=1 text-only p99 open loop @ 3700 req/s (0.5 x max)": "",
                     "tp=2 text-only p50 open loop @ 2500 req/s (0.5 x max)": "MISSED",  # nothing came back
                     "tp=2 text-only p99 open loop @ 2500 req/s (0.5 x max)": ""}
+
+
+def test_the_floor_servers_rows_stand_beside_the_targets_without_a_verdict():
+    bench = load_bench_run()
+    sync = {"closed": {}, "open": {}, "half": {},
+            "floor": {"1000": sync_run(0.55, 3.4), "10165": sync_run(0.83, 3.6)}}
+    _, rows = bench.table([], [], [], {}, {}, sync)
+    floor = {r["case"]: (r["ours"], r["target"], r["verdict"]) for r in rows if "floor server" in r["case"]}
+    assert floor == {"tp=2 floor server, p50 open loop @ 1000 req/s": ("0.55 ms", None, ""),
+                     "tp=2 floor server, p99 open loop @ 1000 req/s": ("3.40 ms", None, ""),
+                     "tp=2 floor server, p50 open loop @ 10165 req/s": ("0.83 ms", None, ""),
+                     "tp=2 floor server, p99 open loop @ 10165 req/s": ("3.60 ms", None, "")}

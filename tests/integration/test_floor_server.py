@@ -1,0 +1,46 @@
+"""bench/floor_server.py, the tp=2 floor ``make bench`` prints beside the latency targets:
+it answers every request with its own rid (a floor that dropped or mixed up answers would
+flatter itself), and killing it leaves no rank behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _procs_of(script: str) -> set[int]:
+    out = subprocess.run(["pgrep", "-f", script], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+def test_the_floor_server_answers_each_request_and_leaves_no_rank_behind(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import sync_client
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    addr = f"ipc://{tmp_path}/floor-{uuid.uuid4().hex[:6]}.sock"
+    script = os.path.join(ROOT, "bench", "floor_server.py")
+    proc = subprocess.Popen([sys.executable, script, "--frontend", addr], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(addr.removeprefix("ipc://")) and time.monotonic() < deadline:
+            assert proc.poll() is None, "the floor server exited before it listened"
+            time.sleep(0.1)
+        r = sync_client.open_loop(addr, 500, 1.0)  # _ok checks each answer's rid against what was sent
+        assert r["completed"] == r["sent"] == 500 and r["bad"] == r["lost"] == 0, r
+        ranks = {p for p in _procs_of(addr) if p != os.getpid()}
+        assert len(ranks) == 2, ranks  # rank 0 and the rank 1 it started
+    finally:
+        proc.kill()  # rank 0 only: rank 1 must notice by itself
+        proc.wait()
+    deadline = time.monotonic() + 40  # rank 1 sees the group break (at once: the peer's socket closed)
+    while _procs_of(addr) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _procs_of(addr), "rank 1 outlived rank 0"
