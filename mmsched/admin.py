@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from aiohttp import web
 
+from .config import shown
 from .errors import ConfigError
 from .log import event
 
@@ -21,9 +22,28 @@ METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def parse_address(addr: str) -> tuple[str, int]:
-    """``PORT`` or ``HOST:PORT``; the host defaults to 127.0.0.1."""
+    """``PORT``, ``HOST:PORT`` or ``[IPV6]:PORT``; the host defaults to 127.0.0.1."""
     host, _, port = addr.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     return (host or "127.0.0.1"), int(port)
+
+
+def listen_address(address: str) -> tuple[socket.AddressFamily, str, int]:
+    """The one address the endpoint listens on: the host's first IPv4 address, else its first.
+    asyncio listens on every address a name has (``localhost``: 127.0.0.1 and ::1), each on
+    a port of its own for port 0, and the start-up check tried only one of them."""
+    host, port = parse_address(address)
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError, ValueError, TypeError) as exc:  # bad names raise more than OSError
+        raise ConfigError(f"admin: cannot listen on {shown(host)}: {getattr(exc, 'strerror', None) or exc}") from exc
+    family, _, _, _, sockaddr = min(found, key=lambda info: info[0] != socket.AF_INET)
+    return family, sockaddr[0], port
+
+
+def url(family: socket.AddressFamily, ip: str, port: int) -> str:
+    return f"http://[{ip}]:{port}" if family == socket.AF_INET6 else f"http://{ip}:{port}"
 
 
 def check_admin(address: str) -> None:
@@ -31,12 +51,12 @@ def check_admin(address: str) -> None:
     (exit 2), instead of failing after the leader said ``serving``."""
     if not address:
         return
-    host, port = parse_address(address)
+    family, ip, port = listen_address(address)
     try:
-        with socket.create_server((host, port)):  # SO_REUSEADDR, as asyncio's own listener
+        with socket.create_server((ip, port), family=family):  # SO_REUSEADDR, as asyncio's own listener
             pass
     except OSError as exc:
-        raise ConfigError(f"admin: cannot listen on {host}:{port}: {exc.strerror}") from exc
+        raise ConfigError(f"admin: cannot listen on {url(family, ip, port)}: {exc.strerror}") from exc
 
 
 class AdminServer:
@@ -55,7 +75,7 @@ class AdminServer:
 
         from .worker.guard import Guard
 
-        host, port = parse_address(self.address)
+        family, ip, port = listen_address(self.address)
         guard = Guard(self.MAX_CONNECTIONS, self.HEADER_S, who="admin")
         app = web.Application(client_max_size=8192, middlewares=[guard.middleware])
         app.router.add_get("/health", self._health)
@@ -64,12 +84,12 @@ class AdminServer:
         await self._runner.setup()
         guard.server = self._runner.server
         try:
-            self._site = await asyncio.get_running_loop().create_server(guard, host, port)
+            self._site = await asyncio.get_running_loop().create_server(guard, ip, port, family=family)
         except OSError as exc:
             await self.close()
-            raise ConfigError(f"admin: cannot listen on {host}:{port}: {exc.strerror}") from exc
+            raise ConfigError(f"admin: cannot listen on {url(family, ip, port)}: {exc.strerror}") from exc
         port = self._site.sockets[0].getsockname()[1]  # the one the kernel chose, for port 0
-        event("admin_listening", address=f"http://{host}:{port}")
+        event("admin_listening", address=url(family, ip, port))
 
     async def close(self) -> None:
         if self._site is not None:

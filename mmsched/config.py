@@ -39,7 +39,7 @@ class Config:
     zmq_hwm: int = _opt(100000, "ZeroMQ high-water mark (messages) of the frontend, both directions", 0, 1 << 30)
     max_message_bytes: int = _opt(256 << 20, "most bytes one message may hold, all frames (inline payloads included)", 1024, 1 << 40)
     max_inflight_bytes: int = _opt(8 << 30, "most feature bytes queued and running together; beyond it, 503", 0, 1 << 44)
-    admin: str = _opt("", "admin HTTP endpoint for /health and /metrics: PORT or HOST:PORT (host 127.0.0.1; port 0: a free one, named in admin_listening); off when empty")
+    admin: str = _opt("", "admin HTTP endpoint for /health and /metrics: PORT, HOST:PORT or [IPV6]:PORT (host 127.0.0.1; port 0: a free one, named in admin_listening); off when empty")
     tp: int = _opt(1, "number of ranks in the group", 1, 256)
     dist_init: str = _opt("", "torch.distributed init address for --tp N (default: a free 127.0.0.1 port)")
     shm_prefix: str = _opt("mmsched_", "only segments with this prefix are opened or unlinked "
@@ -122,7 +122,7 @@ def parse_table(text: str) -> dict:
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except (tomllib.TOMLDecodeError, RecursionError):  # a table nested past the stack, too
-        raise ValueError(f"must be a TOML inline table like {{layers = 2}}, not {_short(text)}") from None
+        raise ValueError(f"must be a TOML inline table like {{layers = 2}}, not {shown(text)}") from None
 
 
 def _toml_key(k: str) -> str:
@@ -165,16 +165,16 @@ def _coerce(name: str, value: Any, from_text: bool) -> Any:
         elif not isinstance(value, str):
             raise ValueError("must be a string")
     except ValueError as exc:
-        raise ConfigError(f"{name}: {exc if 'must' in str(exc) else f'cannot read {_short(value)} as {kind.__name__}'}") from None
+        raise ConfigError(f"{name}: {exc if 'must' in str(exc) else f'cannot read {shown(value)} as {kind.__name__}'}") from None
     m = f.metadata
     if m["lo"] is not None and value < m["lo"] or m["hi"] is not None and value > m["hi"]:
-        raise ConfigError(f"{name}: {_short(value)} is outside {m['lo']}..{m['hi']}")
+        raise ConfigError(f"{name}: {shown(value)} is outside {m['lo']}..{m['hi']}")
     if m["choices"] and value not in m["choices"]:
-        raise ConfigError(f"{name}: {_short(value)} is not one of {', '.join(m['choices'])}")
+        raise ConfigError(f"{name}: {shown(value)} is not one of {', '.join(m['choices'])}")
     return value
 
 
-def _short(v: Any, limit: int = 160) -> str:
+def shown(v: Any, limit: int = 160) -> str:
     """``repr(v)`` (or an exception's text) cut to ``limit`` characters: a config error is one
     readable line, whatever was pasted into the setting."""
     text = str(v) if isinstance(v, BaseException) else repr(v)
@@ -189,7 +189,7 @@ def _check_prefix(prefix: str) -> None:
     mmsched does not own (``libpod_lock``), ``sem.`` names POSIX semaphores, and a prefix
     without a closing separator matches longer words (``mmsched`` takes ``mmschedule``)."""
     if not PREFIX_RE.fullmatch(prefix) or prefix.startswith("sem."):
-        raise ConfigError(f"shm_prefix: {prefix!r} could match files mmsched does not own; use 4-64 characters "
+        raise ConfigError(f"shm_prefix: {shown(prefix)} could match files mmsched does not own; use 4-64 characters "
                           "of [A-Za-z0-9_.-] that start with a letter, end with _ . or -, and not sem.")
 
 
@@ -206,7 +206,7 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None,
             raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from exc
         except (ValueError, RecursionError) as exc:  # TOMLDecodeError, and what tomllib lets through:
             # bytes that are not UTF-8, an integer past Python's 4300 digits, nesting past the stack
-            raise ConfigError(f"config: {path} is not valid TOML: {_short(exc)}") from exc
+            raise ConfigError(f"config: {path} is not valid TOML: {shown(exc)}") from exc
         for k, v in doc.items():
             if k not in FIELDS:
                 raise ConfigError(f"{k}: unknown setting in {path}")
@@ -224,15 +224,16 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None,
     cfg = Config(**values)
     cfg.faults  # noqa: B018 - parses every fault spec; a bad one names itself
     if not cfg.frontend.startswith(("ipc://", "tcp://")) or cfg.frontend in ("ipc://", "tcp://"):
-        raise ConfigError(f"frontend: {cfg.frontend!r} is not an ipc:// or tcp:// address")
-    port = cfg.admin.rpartition(":")[2]
-    if cfg.admin and not (port.isdigit() and 0 <= int(port) < 65536):  # 0: a free port, named in admin_listening
-        raise ConfigError(f"admin: {cfg.admin!r} is not PORT or HOST:PORT (port 0..65535)")
+        raise ConfigError(f"frontend: {shown(cfg.frontend)} is not an ipc:// or tcp:// address")
+    host, _, port = cfg.admin.rpartition(":")  # port 0: a free one, named in admin_listening
+    if cfg.admin and not (port.isascii() and port.isdigit() and len(port) <= 5 and int(port) < 65536
+                          and host.isascii() and host.isprintable() and " " not in host):
+        raise ConfigError(f"admin: {shown(cfg.admin)} is not PORT, HOST:PORT or [IPV6]:PORT (port 0..65535)")
     try:
         if not 0 <= int(cfg.ipc_mode, 8) <= 0o777:
             raise ValueError
     except ValueError:
-        raise ConfigError(f"ipc_mode: {cfg.ipc_mode!r} is not an octal file mode like 660") from None
+        raise ConfigError(f"ipc_mode: {shown(cfg.ipc_mode)} is not an octal file mode like 660") from None
     _check_prefix(cfg.shm_prefix)
     if cfg.tp > 1 and cfg.collective_timeout < 1:
         raise ConfigError("collective_timeout: must be >= 1 s when tp > 1")

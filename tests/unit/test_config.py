@@ -144,6 +144,12 @@ BAD = [
     ("bad fault spec", 'fault = ["1:explode:x-*"]\n', {}, {}, "fault"),
     ("bad fault spec, env", None, {"MMSCHED_FAULT": "one:open:x"}, {}, "fault"),
     ("bad admin address", 'admin = "localhost"\n', {}, {}, "admin"),
+    # int() reads these as ports (or raises a ValueError past the loader): ASCII digits only
+    ("admin port in Arabic-Indic digits", None, {"MMSCHED_ADMIN": "\u0669\u0664\u0660\u0661"}, {}, "admin"),
+    ("admin port in fullwidth digits", None, {}, {"admin": "127.0.0.1:\uff10"}, "admin"),
+    ("admin port a superscript", 'admin = "0\u00b2"\n', {}, {}, "admin"),
+    ("admin port of 5000 digits", None, {}, {"admin": "9" * 5000}, "admin"),
+    ("admin host with a NUL", 'admin = "127.0.0.1\\u0000:0"\n', {}, {}, "admin"),
     ("bad frontend", 'frontend = "/tmp/mmsched.sock"\n', {}, {}, "frontend"),
     ("unreadable TOML", "max_batch = = 3\n", {}, {}, "config"),
     # tomllib's own limits: each raised past the loader (a traceback, exit 1)
