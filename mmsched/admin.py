@@ -39,7 +39,8 @@ def listen_address(address: str) -> tuple[socket.AddressFamily, str, int]:
     except (OSError, UnicodeError, ValueError, TypeError) as exc:  # bad names raise more than OSError
         raise ConfigError(f"admin: cannot listen on {shown(host)}: {getattr(exc, 'strerror', None) or exc}") from exc
     family, _, _, _, sockaddr = min(found, key=lambda info: info[0] != socket.AF_INET)
-    return family, sockaddr[0], port
+    zone = host[host.index("%"):] if "%" in host and family == socket.AF_INET6 else ""  # getaddrinfo drops it
+    return family, sockaddr[0] + zone, port
 
 
 def url(family: socket.AddressFamily, ip: str, port: int) -> str:

@@ -178,9 +178,14 @@ def shown(v: Any, limit: int = 160) -> str:
     """``repr(v)`` (or an exception's text) cut to ``limit`` characters: a config error is one
     readable line, whatever was pasted into the setting."""
     text = str(v) if isinstance(v, BaseException) else repr(v)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    size = len(v) if isinstance(v, str) else len(text)  # the value's own length, not its repr's
+    return text if len(text) <= limit else f"{text[:limit]}... ({size} characters)"
 
 
+# PORT, HOST:PORT or [IPV6]:PORT, ASCII only: a host without colons, spaces or brackets (a bare
+# IPv6 address is ambiguous), an IPv6 address with at least one colon and maybe a %zone
+ADMIN_RE = re.compile(r"(?:(?:[!-9;-Z^-~]*|\[[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(?:%[!-Z^-~]+)?\]):)?(?P<port>[0-9]{1,5})",
+                      re.ASCII)
 PREFIX_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{2,62}[_.\-]")
 
 
@@ -225,9 +230,8 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None,
     cfg.faults  # noqa: B018 - parses every fault spec; a bad one names itself
     if not cfg.frontend.startswith(("ipc://", "tcp://")) or cfg.frontend in ("ipc://", "tcp://"):
         raise ConfigError(f"frontend: {shown(cfg.frontend)} is not an ipc:// or tcp:// address")
-    host, _, port = cfg.admin.rpartition(":")  # port 0: a free one, named in admin_listening
-    if cfg.admin and not (port.isascii() and port.isdigit() and len(port) <= 5 and int(port) < 65536
-                          and host.isascii() and host.isprintable() and " " not in host):
+    form = ADMIN_RE.fullmatch(cfg.admin)  # port 0: a free one, named in admin_listening
+    if cfg.admin and not (form and int(form["port"]) < 65536):
         raise ConfigError(f"admin: {shown(cfg.admin)} is not PORT, HOST:PORT or [IPV6]:PORT (port 0..65535)")
     try:
         if not 0 <= int(cfg.ipc_mode, 8) <= 0o777:

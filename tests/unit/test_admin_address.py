@@ -64,6 +64,7 @@ def test_addresses_in_each_form():
     assert admin.listen_address("0:0")[1] == "0.0.0.0"  # the log names what "0" means: every interface
     family, ip, port = admin.listen_address("[::1]:7")
     assert admin.url(family, ip, port) == "http://[::1]:7"
+    assert admin.listen_address("[fe80::1%lo]:7")[1] == "fe80::1%lo"  # a link-local address keeps its zone
 
 
 def test_a_name_that_does_not_resolve_is_a_config_error():

@@ -150,6 +150,11 @@ BAD = [
     ("admin port a superscript", 'admin = "0\u00b2"\n', {}, {}, "admin"),
     ("admin port of 5000 digits", None, {}, {"admin": "9" * 5000}, "admin"),
     ("admin host with a NUL", 'admin = "127.0.0.1\\u0000:0"\n', {}, {}, "admin"),
+    ("admin as a URL", None, {}, {"admin": "http://127.0.0.1:0"}, "admin"),
+    ("admin IPv6 without brackets", None, {}, {"admin": "::1:0"}, "admin"),
+    ("admin empty brackets", None, {}, {"admin": "[]:0"}, "admin"),
+    ("admin IPv4 in brackets", None, {}, {"admin": "[127.0.0.1]:0"}, "admin"),
+    ("admin bracket left open", None, {}, {"admin": "[::1:0"}, "admin"),
     ("bad frontend", 'frontend = "/tmp/mmsched.sock"\n', {}, {}, "frontend"),
     ("unreadable TOML", "max_batch = = 3\n", {}, {}, "config"),
     # tomllib's own limits: each raised past the loader (a traceback, exit 1)
@@ -183,6 +188,7 @@ def test_a_huge_value_is_named_in_a_short_error():
         with pytest.raises(ConfigError) as info:
             load(None, env=env)
         assert str(info.value).startswith("max_batch: ") and len(str(info.value)) < 300, str(info.value)[:400]
+        assert f"({len(env['MMSCHED_MAX_BATCH'])} characters)" in str(info.value), str(info.value)  # not its repr's
 
 
 def _as_flags(flags: dict) -> list[str]:
