@@ -12,6 +12,12 @@ validation, no admission, no ring, no engine: mmsched's p50 beside this server's
 same rate (``make bench`` prints both) says how much of it is ours and how much the
 host's. It answers anything, a ping included; rank 1 starts as a child of rank 0 and
 ends when the group breaks.
+
+As a model (not in ``make bench``): ``--loop-us``, ``--lane-us`` and ``--follower-us``
+make each request cost that much CPU (a spin, holding the GIL as Python work does) on rank
+0's loop as it is received, on its lane before the all-gather, and on rank 1 after it: a
+server of mmsched's shape with mmsched's per-request CPU, without mmsched's code
+(docs/performance.md, session 50).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import msgpack
 import torch
@@ -51,18 +58,26 @@ def _join(rank: int, port: int) -> None:
     timeslice.lower_gloo_loops(before)
 
 
-def follow(port: int) -> None:
+def _spin(seconds: float) -> None:
+    """CPU work of ``seconds``, holding the GIL (the model's per-request cost)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def follow(port: int, follower_s: float = 0.0) -> None:
     """Rank 1: join every all-gather until the group breaks (rank 0 gone)."""
     _join(1, port)
     flags, out = torch.zeros(1 + MAX_BATCH, dtype=torch.int32), torch.zeros(2 * (1 + MAX_BATCH), dtype=torch.int32)
     try:
         while True:
             _gather(out, flags)
+            _spin(follower_s * int(out[0]))
     except Exception:  # noqa: BLE001 - the leader is gone: so is the group
         os._exit(0)
 
 
-def lead(address: str, port: int) -> None:
+def lead(address: str, port: int, loop_s: float = 0.0, lane_s: float = 0.0) -> None:
     """Rank 0: the ROUTER and its batches, on the main thread; the all-gather on a lane thread."""
     _join(0, port)
     sock = zmq.Context.instance().socket(zmq.ROUTER)
@@ -75,6 +90,7 @@ def lead(address: str, port: int) -> None:
     def lane() -> None:
         while True:
             batch = todo.get()
+            _spin(lane_s * len(batch))
             flags[0] = len(batch)
             _gather(out, flags)
             done.append(batch)
@@ -112,6 +128,7 @@ def lead(address: str, port: int) -> None:
                 break
             header = msgpack.unpackb(frames[1], raw=False) if len(frames) > 1 else {}
             pending.append((frames[0], header.get("rid") if isinstance(header, dict) else None))
+            _spin(loop_s)
         if pending and not running:  # one batch at a time, as mmsched's lane
             running = True
             todo.put(pending[:MAX_BATCH])
@@ -127,14 +144,17 @@ def _free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--frontend", required=True, help="the ROUTER's address (ipc:// or tcp://127.0.0.1)")
+    for who in ("loop", "lane", "follower"):
+        p.add_argument(f"--{who}-us", type=float, default=0.0, help=f"CPU a request costs on the {who} (model)")
     p.add_argument("--follow", type=int, default=0, help=argparse.SUPPRESS)  # rank 1, started by rank 0
     args = p.parse_args(argv)
     if args.follow:
-        follow(args.follow)
+        follow(args.follow, args.follower_us * 1e-6)
         return 0
     port = _free_port()
-    subprocess.Popen([sys.executable, os.path.abspath(__file__), "--frontend", args.frontend, "--follow", str(port)])
-    lead(args.frontend, port)
+    subprocess.Popen([sys.executable, os.path.abspath(__file__), "--frontend", args.frontend, "--follow", str(port),
+                      "--follower-us", str(args.follower_us)])
+    lead(args.frontend, port, args.loop_us * 1e-6, args.lane_us * 1e-6)
     return 0
 
 

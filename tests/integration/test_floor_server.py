@@ -26,7 +26,8 @@ def test_the_floor_server_answers_each_request_and_leaves_no_rank_behind(tmp_pat
         sys.path.remove(os.path.join(ROOT, "bench"))
     addr = f"ipc://{tmp_path}/floor-{uuid.uuid4().hex[:6]}.sock"
     script = os.path.join(ROOT, "bench", "floor_server.py")
-    proc = subprocess.Popen([sys.executable, script, "--frontend", addr], start_new_session=True,
+    model = ["--loop-us", "5", "--lane-us", "5", "--follower-us", "5"]  # the model's spins run too (rank 1's by its own flag)
+    proc = subprocess.Popen([sys.executable, script, "--frontend", addr, *model], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
