@@ -58,18 +58,14 @@ def _flags(batch: int, fail: bool, rank: int) -> tuple[np.ndarray, dict[int, str
 
 
 def _worker(rank: int, world: int, port: int, batches: list[int], budget: float, out) -> None:
-    import torch
-
-    torch.set_num_threads(1)
     from mmsched import consensus
     from mmsched.config import Config
     from mmsched.group import GlooGroup
-    from mmsched.affinity import pin_rank
-    from mmsched.timeslice import lower_gloo_loops, request_slice, thread_ids
+    from mmsched.server import place_process
+    from mmsched.timeslice import lower_gloo_loops, thread_ids
 
-    cfg = Config()  # as a rank runs, before gloo starts its threads: its CPUs, its slice
-    pin_rank(cfg.cpu_affinity, world, {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
-    request_slice(cfg.sched_slice_us)
+    cfg = Config()  # as a rank runs, before gloo starts its threads: its CPUs, its slice, one torch thread
+    place_process(cfg, world, {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
     before = thread_ids()
     group = GlooGroup(rank, world, f"tcp://127.0.0.1:{port}", timeout_s=60)
     if cfg.sched_slice_us > 0:

@@ -6,8 +6,9 @@ Why: the tp=2 latency targets are absolute (p50 <= 2 ms at half the maximum rate
 small shared host the host decides much of them. This server does only what every tp=2
 batch of mmsched must: rank 0 drains a ROUTER without blocking (a batch), a second thread
 runs one gloo all-gather with rank 1 (the agreement each batch pays), and rank 0 answers
-each request 200 with its rid. Its ranks run as mmsched's do: one CPU each (LOCAL_RANK),
-the same short time slice, gloo's TCP loop threads lowered, one torch thread. No
+each request 200 with its rid. Its ranks run as mmsched's do (``server.place_process``:
+one CPU each, one torch thread, the same GIL switch interval and time slice; gloo's TCP
+loop threads lowered). No
 validation, no admission, no ring, no engine: mmsched's p50 beside this server's at the
 same rate (``make bench`` prints both) says how much of it is ours and how much the
 host's. It answers anything, a ping included; rank 1 starts as a child of rank 0 and
@@ -39,23 +40,24 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mmsched import affinity, timeslice  # noqa: E402
+from mmsched import timeslice  # noqa: E402
 from mmsched.config import Config  # noqa: E402
+from mmsched.server import place_process  # noqa: E402
 
 MAX_BATCH = 256
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 
 
-def _join(rank: int, port: int) -> None:
-    """Run as a mmsched rank runs (CPU share, slice, one torch thread), then make the group."""
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-    affinity.pin_rank("spread", 2)
-    timeslice.request_slice(Config().sched_slice_us)
-    torch.set_num_threads(1)
+def _join(rank: int, port: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run as a mmsched rank runs (``place_process``: CPU share, torch threads, GIL switch
+    interval, slice), make the group, lower its loop threads; this rank's flags buffer and
+    the gathered one."""
+    place_process(Config(), 2, {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"})
     before = timeslice.thread_ids()
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=30))
     timeslice.lower_gloo_loops(before)
+    return torch.zeros(1 + MAX_BATCH, dtype=torch.int32), torch.zeros(2 * (1 + MAX_BATCH), dtype=torch.int32)
 
 
 def _spin(seconds: float) -> None:
@@ -67,8 +69,7 @@ def _spin(seconds: float) -> None:
 
 def follow(port: int, follower_s: float = 0.0) -> None:
     """Rank 1: join every all-gather until the group breaks (rank 0 gone)."""
-    _join(1, port)
-    flags, out = torch.zeros(1 + MAX_BATCH, dtype=torch.int32), torch.zeros(2 * (1 + MAX_BATCH), dtype=torch.int32)
+    flags, out = _join(1, port)
     try:
         while True:
             _gather(out, flags)
@@ -79,10 +80,9 @@ def follow(port: int, follower_s: float = 0.0) -> None:
 
 def lead(address: str, port: int, loop_s: float = 0.0, lane_s: float = 0.0) -> None:
     """Rank 0: the ROUTER and its batches, on the main thread; the all-gather on a lane thread."""
-    _join(0, port)
+    flags, out = _join(0, port)
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.bind(address)
-    flags, out = torch.zeros(1 + MAX_BATCH, dtype=torch.int32), torch.zeros(2 * (1 + MAX_BATCH), dtype=torch.int32)
     todo: queue.SimpleQueue = queue.SimpleQueue()
     bell = os.eventfd(0, os.EFD_NONBLOCK)
     done: list = []

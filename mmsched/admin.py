@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from aiohttp import web
 
-from .config import shown
+from .config import ADMIN_RE, shown
 from .errors import ConfigError
 from .log import event
 
@@ -22,11 +22,12 @@ METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def parse_address(addr: str) -> tuple[str, int]:
-    """``PORT``, ``HOST:PORT`` or ``[IPV6]:PORT``; the host defaults to 127.0.0.1."""
-    host, _, port = addr.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return (host or "127.0.0.1"), int(port)
+    """``PORT``, ``HOST:PORT`` or ``[IPV6]:PORT`` (the form ``config`` checks, ``ADMIN_RE``);
+    the host defaults to 127.0.0.1."""
+    form = ADMIN_RE.fullmatch(addr)
+    if form is None:
+        raise ConfigError(f"admin: {shown(addr)} is not PORT, HOST:PORT or [IPV6]:PORT")
+    return form["ipv6"] or form["host"] or "127.0.0.1", int(form["port"])
 
 
 def listen_address(address: str) -> tuple[socket.AddressFamily, str, int]:

@@ -184,8 +184,8 @@ def shown(v: Any, limit: int = 160) -> str:
 
 # PORT, HOST:PORT or [IPV6]:PORT, ASCII only: a host without colons, spaces or brackets (a bare
 # IPv6 address is ambiguous), an IPv6 address with at least one colon and maybe a %zone
-ADMIN_RE = re.compile(r"(?:(?:[!-9;-Z^-~]*|\[[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(?:%[!-Z^-~]+)?\]):)?(?P<port>[0-9]{1,5})",
-                      re.ASCII)
+ADMIN_RE = re.compile(r"(?:(?:(?P<host>[!-9;-Z^-~]*)|\[(?P<ipv6>[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(?:%[!-Z^-~]+)?)\]):)?"
+                      r"(?P<port>[0-9]{1,5})", re.ASCII)
 PREFIX_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{2,62}[_.\-]")
 
 

@@ -114,20 +114,29 @@ def make_lane(cfg: Config) -> Lane:
     return Lane(cfg.collective_timeout, on_start=lambda: torch.set_num_threads(cfg.torch_threads))
 
 
-def _prepare_process(cfg: Config, rank: int, world: int = 1) -> None:
-    """Logging, CPUs, torch threads, signals (followers leave the decision to the leader), the launcher's death."""
-    log.setup(rank, cfg.log_format, cfg.log_level)
-    pinned = pin_rank(cfg.cpu_affinity, world)  # first: the threads started from here on inherit it
-    if isinstance(pinned, str):
-        event("cpu_affinity_refused", logging.WARNING, reason=pinned)
-    elif pinned is not None:
-        event("rank_cpus", cpus=ranges(pinned))
+def place_process(cfg: Config, world: int, env=os.environ) -> tuple[list[int] | str | None, str | None]:
+    """How a rank runs, set before any thread of ours or gloo's starts (they inherit it): its
+    CPUs, torch's threads, the GIL switch interval, its scheduler slice. The benchmarks'
+    ranks call it too, so they run as served ranks do. Returns what ``pin_rank`` said and
+    why the slice was refused (None: it was not)."""
+    pinned = pin_rank(cfg.cpu_affinity, world, env)  # first: the threads started from here on inherit it
     torch.set_num_threads(cfg.torch_threads)
     # A thread woken from a collective (the lane, out of gloo or the ring) needs the GIL back
     # from the loop thread, which gives it up only every switch interval while it decodes or
     # answers (tp=2 here, 0.5 ms against 5: p99 at 1000 req/s 6.3 -> 5.4 ms; docs/operations.md).
     sys.setswitchinterval(cfg.gil_switch_us / 1e6)
-    refused = request_slice(cfg.sched_slice_us)  # before any thread of ours or gloo's: they inherit it
+    return pinned, request_slice(cfg.sched_slice_us)
+
+
+def _prepare_process(cfg: Config, rank: int, world: int = 1) -> None:
+    """Logging, how the rank runs (``place_process``), signals (followers leave the decision
+    to the leader), the launcher's death."""
+    log.setup(rank, cfg.log_format, cfg.log_level)
+    pinned, refused = place_process(cfg, world)
+    if isinstance(pinned, str):
+        event("cpu_affinity_refused", logging.WARNING, reason=pinned)
+    elif pinned is not None:
+        event("rank_cpus", cpus=ranges(pinned))
     if refused:
         event("sched_slice_refused", logging.WARNING, slice_us=cfg.sched_slice_us, reason=refused)
     if rank > 0:
