@@ -65,20 +65,19 @@ def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor 
     step with this one, and the group is broken (``GroupBroken``)."""
     if group.world == 1:
         return _alone(flags, errors, extra)
-    n, s = len(flags), 8 * len(stamp)
-    raw = _bytes(extra)
+    n, k = len(flags), len(stamp)
+    raw, dtype = _bytes(extra)
     payload = np.concatenate([np.asarray(stamp, dtype=np.int64).view(np.uint8),
                               np.asarray(flags, dtype=np.int64).view(np.uint8), raw, _tail(errors)])
-    gathered = group.all_gather(payload)  # [world, bytes]
-    if stamp:
-        stamps = _field(gathered, 0, s, np.int64)
-        if not (stamps == np.asarray(stamp)).all():
-            raise GroupBroken(f"the ranks are out of step: they gathered (step, call) {stamps.tolist()}")
-    world, at = gathered.shape[0], s + 8 * n  # the flags end, the extra starts, at byte ``at``
-    all_flags = _field(gathered, s, at, np.int64)
+    gathered = group.all_gather(payload)  # [world, bytes], fresh at every call: views of it are kept
+    world, at = gathered.shape[0], 8 * (k + n)  # the flags end, the extra starts, at byte ``at``
+    head = gathered[:, :at].view(np.int64)  # stamps and flags, no copy (numpy reads unaligned rows)
+    if k and not (head[:, :k] == np.asarray(stamp)).all():
+        raise GroupBroken(f"the ranks are out of step: they gathered (step, call) {head[:, :k].tolist()}")
+    all_flags = head[:, k:]
     table = None
-    if extra is not None:  # a copy of the rows: the engine may keep it, whatever the gather buffer does
-        table = torch.from_numpy(gathered[:, at: at + raw.size].copy()).view(extra.dtype).reshape(world, n, -1)
+    if extra is not None:
+        table = _table(gathered[:, at: at + raw.size], dtype, extra.dtype, n)
     tails = gathered[:, at + raw.size:]
     all_errors = None
     if (all_flags == FAILED).any():
@@ -89,16 +88,31 @@ def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor 
     return Verdict(all_flags, all_errors, table)
 
 
-def _bytes(extra: torch.Tensor | None) -> np.ndarray:
-    """``extra``'s bytes, flat (numpy from here: each torch op costs several µs, at every batch)."""
+def _bytes(extra: torch.Tensor | None) -> tuple[np.ndarray, np.dtype | None]:
+    """``extra``'s bytes, flat, and its numpy dtype (None where numpy has none: bfloat16).
+    Numpy from here: each torch op costs several µs in place, at every batch, and ``numpy()``
+    is one op where the torch path is four."""
     if extra is None:
-        return np.empty(0, dtype=np.uint8)
-    return extra.contiguous().reshape(-1).view(torch.uint8).numpy()
+        return _NO_BYTES, None
+    try:
+        a = extra.numpy()
+    except (TypeError, RuntimeError):  # a dtype numpy lacks, a tensor that needs grad, a conjugate view
+        return extra.contiguous().reshape(-1).view(torch.uint8).numpy(), None
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8), a.dtype
 
 
-def _field(gathered: np.ndarray, start: int, end: int, dtype) -> np.ndarray:
-    """Bytes ``start:end`` of every rank's row as ``dtype`` [world, k] (a copy: rows need not be aligned)."""
-    return gathered[:, start:end].copy().view(dtype)
+def _table(rows: np.ndarray, dtype: np.dtype | None, torch_dtype: torch.dtype, n: int) -> torch.Tensor:
+    """Every rank's extra bytes ``rows`` [world, bytes] as [world, n, k] of the extra's dtype:
+    a view where numpy can make an aligned one, else a copy (torch needs aligned data)."""
+    world, size = rows.shape
+    k = size // max(n, 1) // torch_dtype.itemsize  # (not -1: that fails where there are no bytes)
+    if dtype is not None:
+        view = rows.view(dtype).reshape(world, n, k)
+        return torch.from_numpy(view if view.flags.aligned else view.copy())
+    return torch.from_numpy(rows.copy()).view(torch_dtype).reshape(world, n, k)
+
+
+_NO_BYTES = np.empty(0, dtype=np.uint8)
 
 
 def _alone(flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor | None) -> Verdict:
