@@ -96,19 +96,21 @@ def _bytes(extra: torch.Tensor | None) -> tuple[np.ndarray, np.dtype | None]:
         return _NO_BYTES, None
     try:
         a = extra.numpy()
-    except (TypeError, RuntimeError):  # a dtype numpy lacks, a tensor that needs grad, a conjugate view
-        return extra.contiguous().reshape(-1).view(torch.uint8).numpy(), None
+    except (TypeError, RuntimeError):  # a dtype numpy lacks, a conjugate or negative view, a tensor that needs grad
+        return extra.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy(), None
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8), a.dtype
 
 
 def _table(rows: np.ndarray, dtype: np.dtype | None, torch_dtype: torch.dtype, n: int) -> torch.Tensor:
     """Every rank's extra bytes ``rows`` [world, bytes] as [world, n, k] of the extra's dtype:
-    a view where numpy can make an aligned one, else a copy (torch needs aligned data)."""
+    a view where torch can take one, else a copy. (A rank's row is 8-aligned in its length: a
+    complex128 row of an odd batch starts 8 bytes into an item, aligned for numpy, not torch.)"""
     world, size = rows.shape
     k = size // max(n, 1) // torch_dtype.itemsize  # (not -1: that fails where there are no bytes)
     if dtype is not None:
         view = rows.view(dtype).reshape(world, n, k)
-        return torch.from_numpy(view if view.flags.aligned else view.copy())
+        whole = view.flags.aligned and all(s % view.itemsize == 0 for s in view.strides)
+        return torch.from_numpy(view if whole else view.copy())
     return torch.from_numpy(rows.copy()).view(torch_dtype).reshape(world, n, k)
 
 

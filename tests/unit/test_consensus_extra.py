@@ -50,7 +50,12 @@ CASES = {
     "float64 rows": lambda r: torch.from_numpy(np.random.default_rng(r).random((3, 32))),
     "float32, an odd count (rank 1's row starts 4 bytes off)": lambda r: torch.tensor([[r + 0.5], [float("nan")], [-0.0]]),
     "uint8, odd (flags of rank 1 unaligned)": lambda r: torch.arange(5, dtype=torch.uint8).reshape(5, 1) + r,
-    "complex128 (16-byte items)": lambda r: torch.tensor([[1 + 2j * r], [3.5 - 1j]], dtype=torch.complex128),
+    "complex128 (16-byte items), an even batch": lambda r: torch.tensor([[1 + 2j * r], [3.5 - 1j]], dtype=torch.complex128),
+    "complex128, an odd batch (rank 1's row 8 bytes into an item)": lambda r: torch.tensor(
+        [[1 + 2j * r, 0.5j], [3.5 - 1j, -0.0], [r, 2]], dtype=torch.complex128),
+    "complex128, one request": lambda r: torch.tensor([[1 + 2j * r]], dtype=torch.complex128),
+    "a conjugate view": lambda r: torch.tensor([[1 + 2j * r, 3 - 1j]], dtype=torch.complex64).conj(),
+    "a negative view": lambda r: torch.tensor([[1 + 2j * r, 3 - 1j]], dtype=torch.complex64).conj().imag,
     "bfloat16 (no numpy dtype)": lambda r: torch.tensor([[1.5, r], [2.0, -3.0]], dtype=torch.bfloat16),
     "int16, three dimensions": lambda r: torch.arange(24, dtype=torch.int16).reshape(2, 3, 4) * (r + 1),
     "non-contiguous": lambda r: torch.arange(12, dtype=torch.float64).reshape(3, 4).t() + r,
@@ -63,7 +68,7 @@ def test_every_rank_extra_comes_back_bit_for_bit(case):
     extras = [CASES[case](0), CASES[case](1)]
     v = agree_both(extras)
     n = extras[0].shape[0]
-    want = torch.stack([e.contiguous() for e in extras]).reshape(2, n, -1)
+    want = torch.stack([e.resolve_conj().resolve_neg().contiguous() for e in extras]).reshape(2, n, -1)
     assert same_bits(v.extra, want)
     assert v.extra.numpy().flags.aligned if v.extra.dtype != torch.bfloat16 else True
     assert [v.ok(i) for i in range(n)] == [True] * n
