@@ -103,8 +103,9 @@ def _bytes(extra: torch.Tensor | None) -> tuple[np.ndarray, np.dtype | None]:
 
 def _table(rows: np.ndarray, dtype: np.dtype | None, torch_dtype: torch.dtype, n: int) -> torch.Tensor:
     """Every rank's extra bytes ``rows`` [world, bytes] as [world, n, k] of the extra's dtype:
-    a view where torch can take one, else a copy. (A rank's row is 8-aligned in its length: a
-    complex128 row of an odd batch starts 8 bytes into an item, aligned for numpy, not torch.)"""
+    a view where torch can take one, else a copy. (Rank r's rows start r payloads into the
+    gather: for complex128 in an odd batch, 8 bytes into an item, which numpy calls aligned
+    and torch refuses.)"""
     world, size = rows.shape
     k = size // max(n, 1) // torch_dtype.itemsize  # (not -1: that fails where there are no bytes)
     if dtype is not None:
