@@ -22,6 +22,8 @@
    loop at 1000 req/s, each against the bare ROUTER; then the same open loops against
    bench/floor_server.py, a tp=2 server that does only what every tp=2 batch must (a
    ROUTER and one gloo all-gather a batch): a floor row beside the tp=2 latency targets.
+   Its half-maximum runs also print where the server's CPU went, per rank and thread role
+   (bench/thread_cpu.py, from /proc: the profile behind a missed latency row, at no cost).
 
 Targets are issue 13's; a ratio target is ">=", a latency target is in ms.
 
@@ -53,6 +55,7 @@ import msgpack  # noqa: E402
 import zmq  # noqa: E402
 
 from mmsched import loadgen  # noqa: E402
+import thread_cpu  # noqa: E402
 from mmsched.loadgen import LoadSpec  # noqa: E402
 
 PREFIX = "mmbench_"
@@ -231,11 +234,13 @@ def sync_client(procs: dict[str, Proc], quick: bool, log_dir: str) -> dict:
             print(f"  sync client {target} half rate: skipped, its closed loop completed nothing",
                   file=sys.stderr, flush=True)
         else:
-            h = out["half"][target] = {"rate": rate, "ours": sc.open_loop(procs[target].addr, rate, secs),
+            ours, cpu = thread_cpu.measure(procs[target].proc.pid, lambda: sc.open_loop(procs[target].addr, rate, secs))
+            h = out["half"][target] = {"rate": rate, "ours": ours, "cpu": cpu,
                                        "bare": sc.open_loop(procs["bare"].addr, rate, secs)}
             print(f"  sync client {target} @ {rate:.0f} req/s (0.5 x max): p50 {_ms(h['ours']['p50_ms'])} ms "
                   f"p99 {_ms(h['ours']['p99_ms'])} ms (bare {_ms(h['bare']['p50_ms'])} / {_ms(h['bare']['p99_ms'])}; "
-                  f"the client used {h['ours']['client_cores']:.2f} cores)", file=sys.stderr, flush=True)
+                  f"the client used {h['ours']['client_cores']:.2f} cores); where the server's CPU went: "
+                  f"{thread_cpu.line(cpu)}", file=sys.stderr, flush=True)
     out["floor"] = _floor(out, secs, log_dir)
     return out
 
