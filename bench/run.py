@@ -55,8 +55,8 @@ import msgpack  # noqa: E402
 import zmq  # noqa: E402
 
 from mmsched import loadgen  # noqa: E402
-import thread_cpu  # noqa: E402
 from mmsched.loadgen import LoadSpec  # noqa: E402
+import thread_cpu  # noqa: E402  (bench/, on the path above)
 
 PREFIX = "mmbench_"
 KiB, MiB = 1 << 10, 1 << 20
@@ -234,7 +234,8 @@ def sync_client(procs: dict[str, Proc], quick: bool, log_dir: str) -> dict:
             print(f"  sync client {target} half rate: skipped, its closed loop completed nothing",
                   file=sys.stderr, flush=True)
         else:
-            ours, cpu = thread_cpu.measure(procs[target].proc.pid, lambda: sc.open_loop(procs[target].addr, rate, secs))
+            addr = procs[target].addr
+            ours, cpu = thread_cpu.measure(procs[target].proc.pid, lambda: sc.open_loop(addr, rate, secs))
             h = out["half"][target] = {"rate": rate, "ours": ours, "cpu": cpu,
                                        "bare": sc.open_loop(procs["bare"].addr, rate, secs)}
             print(f"  sync client {target} @ {rate:.0f} req/s (0.5 x max): p50 {_ms(h['ours']['p50_ms'])} ms "

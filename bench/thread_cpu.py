@@ -20,7 +20,8 @@ ROLES = (("gloo", ("gloo_tcp_loop", "pt_gloo_runloop")), ("zmq", ("ZMQbg/",)))
 
 def ranks(pid: int) -> list[int]:
     """The rank processes of server ``pid``, in rank order: its children where it launched a
-    group (``mmsched serve --tp N`` starts one process a rank), else itself (a group of one)."""
+    group (``mmsched serve --tp N`` starts one process a rank, in rank order, so pid order is
+    rank order but for a pid wrap), else itself (a group of one)."""
     kids: list[int] = []
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
