@@ -69,7 +69,7 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         event("group_init_failed", logging.ERROR, error=describe(exc))
         return 3
     outlive_launcher(rank)  # the group and its engine are up
-    if world > 1 and cfg.sched_slice_us > 0 and not lower_gloo_loops(before_groups):  # ranks that mostly wait
+    if world > 1 and lower_gloo_threads(cfg, before_groups) == 0:  # ranks that mostly wait
         event("gloo_loops_not_found", logging.WARNING, thread="gloo_tcp_loop")
     lane = make_lane(cfg)
     runner = BatchRunner(group, engine, faults, unlinks=(rank == 0),
@@ -126,6 +126,14 @@ def place_process(cfg: Config, world: int, env=os.environ) -> tuple[list[int] | 
     # answers (tp=2 here, 0.5 ms against 5: p99 at 1000 req/s 6.3 -> 5.4 ms; docs/operations.md).
     sys.setswitchinterval(cfg.gil_switch_us / 1e6)
     return pinned, request_slice(cfg.sched_slice_us)
+
+
+def lower_gloo_threads(cfg: Config, since: set[int]) -> int | None:
+    """Once the process groups are made: gloo's TCP loop threads started after ``since``
+    (``thread_ids()`` taken before the groups) run below the rank, as a rank that asks for a
+    scheduler slice runs them (``timeslice.lower_gloo_loops``); how many, None where no slice
+    is asked for. The benchmarks' ranks call it too."""
+    return lower_gloo_loops(since) if cfg.sched_slice_us > 0 else None
 
 
 def _prepare_process(cfg: Config, rank: int, world: int = 1) -> None:
