@@ -12,6 +12,7 @@ batch makes every rank gather the strings again, as objects.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,13 +33,20 @@ class Verdict:
     flags: np.ndarray                    # [world, n]
     errors: list[dict[int, str]] | None  # per rank: request index -> "Type: message"
     extra: torch.Tensor | None           # [world, n, k], gathered alongside
+    rows: list | None = field(default=None, repr=False)  # ``flags.tolist()``, where the caller has it
     _ok: list = field(init=False, repr=False)       # per request, computed once per batch
     _aborted: list = field(init=False, repr=False)  # (not one numpy call per request and question)
 
     def __post_init__(self) -> None:
-        # lists, built in one numpy pass each: ``ok`` and ``aborted`` are asked per request
-        self._ok = (~self.flags.any(axis=0)).tolist() if len(self.flags) else []
-        self._aborted = (self.flags[0] == ABORTED).tolist() if len(self.flags) else []
+        # lists, built once: ``ok`` and ``aborted`` are asked per request (Python over the
+        # lists: numpy's calls cost more than the loop at the batch sizes that matter)
+        rows = self.flags.tolist() if self.rows is None else self.rows
+        n = len(rows[0]) if rows else 0
+        if not any(map(any, rows)):  # the usual batch: nothing failed or was aborted anywhere
+            self._ok, self._aborted = [True] * n, [False] * n
+        else:
+            self._ok = [not any(col) for col in zip(*rows)]
+            self._aborted = [f == ABORTED for f in rows[0]]
 
     def ok(self, i: int) -> bool:
         return self._ok[i]
@@ -62,30 +70,32 @@ def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor 
 
     ``extra`` [n, ...] of any dtype rides along as bytes; the verdict's is [world, n, k].
     ``stamp`` must be the same on every rank: a rank that gathered another stamp is out of
-    step with this one, and the group is broken (``GroupBroken``)."""
+    step with this one, and the group is broken (``GroupBroken``).
+
+    Few numpy calls, by design: it runs on every rank at every batch, where each call costs
+    several µs (the payload is one join; stamps and flags are read back as Python lists)."""
     if group.world == 1:
         return _alone(flags, errors, extra)
     n, k = len(flags), len(stamp)
     raw, dtype = _bytes(extra)
-    payload = np.concatenate([np.asarray(stamp, dtype=np.int64).view(np.uint8),
-                              np.asarray(flags, dtype=np.int64).view(np.uint8), raw, _tail(errors)])
-    gathered = group.all_gather(payload)  # [world, bytes], fresh at every call: views of it are kept
-    world, at = gathered.shape[0], 8 * (k + n)  # the flags end, the extra starts, at byte ``at``
+    payload = bytearray().join((struct.pack(f"<{k}q", *stamp), np.asarray(flags, dtype=np.int64).tobytes(),
+                                raw, _tail(errors)))
+    gathered = group.all_gather(np.frombuffer(payload, dtype=np.uint8))  # [world, bytes], fresh: views kept
+    at = 8 * (k + n)  # the flags end, the extra starts, at byte ``at``
     head = gathered[:, :at].view(np.int64)  # stamps and flags, no copy (numpy reads unaligned rows)
-    if k and not (head[:, :k] == np.asarray(stamp)).all():
-        raise GroupBroken(f"the ranks are out of step: they gathered (step, call) {head[:, :k].tolist()}")
-    all_flags = head[:, k:]
-    table = None
-    if extra is not None:
-        table = _table(gathered[:, at: at + raw.size], dtype, extra.dtype, n)
-    tails = gathered[:, at + raw.size:]
+    rows = head.tolist()
+    if k and any(r[:k] != list(stamp) for r in rows):
+        raise GroupBroken(f"the ranks are out of step: they gathered (step, call) {[r[:k] for r in rows]}")
+    flag_rows = [r[k:] for r in rows] if k else rows
+    table = None if extra is None else _table(gathered[:, at: at + len(raw)], dtype, extra.dtype, n)
     all_errors = None
-    if (all_flags == FAILED).any():
+    if any(FAILED in r for r in flag_rows):
+        tails = gathered[:, at + len(raw):]
         if any(int(t[:4].view(np.int32)[0]) > ERR_SLOTS for t in tails):
             all_errors = group.all_gather_object({i: clip(e) for i, e in errors.items()})
         else:
             all_errors = [_read_tail(t) for t in tails]
-    return Verdict(all_flags, all_errors, table)
+    return Verdict(head[:, k:], all_errors, table, flag_rows)
 
 
 def _bytes(extra: torch.Tensor | None) -> tuple[np.ndarray, np.dtype | None]:
