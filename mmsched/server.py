@@ -125,15 +125,19 @@ def place_process(cfg: Config, world: int, env=os.environ) -> tuple[list[int] | 
     # from the loop thread, which gives it up only every switch interval while it decodes or
     # answers (tp=2 here, 0.5 ms against 5: p99 at 1000 req/s 6.3 -> 5.4 ms; docs/operations.md).
     sys.setswitchinterval(cfg.gil_switch_us / 1e6)
+    # torch's flight recorder keeps a Python traceback of every collective (one all-gather a
+    # batch here), for dumps mmsched never asks for: off, unless the operator set it
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
     return pinned, request_slice(cfg.sched_slice_us)
 
 
 def lower_gloo_threads(cfg: Config, since: set[int]) -> int | None:
     """Once the process groups are made: gloo's TCP loop threads started after ``since``
-    (``thread_ids()`` taken before the groups) run below the rank, as a rank that asks for a
-    scheduler slice runs them (``timeslice.lower_gloo_loops``); how many, None where no slice
-    is asked for. The benchmarks' ranks call it too."""
-    return lower_gloo_loops(since) if cfg.sched_slice_us > 0 else None
+    (``thread_ids()`` taken before the groups) run below the rank, and its workers without
+    wake-up preemption, as a rank that asks for a scheduler slice runs them
+    (``timeslice.lower_gloo_loops``); how many loop threads, None where no slice is asked
+    for. The benchmarks' ranks call it too."""
+    return lower_gloo_loops(since, cfg.sched_slice_us) if cfg.sched_slice_us > 0 else None
 
 
 def _prepare_process(cfg: Config, rank: int, world: int = 1) -> None:

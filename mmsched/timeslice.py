@@ -19,6 +19,7 @@ import platform
 import struct
 import time
 
+_libc = ctypes.CDLL(None, use_errno=True)
 _SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}.get(platform.machine())
 _ATTR = "IIQiIQQQII"  # struct sched_attr, version 1: size, policy, flags, nice, priority,
 # runtime, deadline, period, util_min, util_max
@@ -30,14 +31,21 @@ def request_slice(us: int) -> str | None:
         return None
     if _SCHED_SETATTR is None or not os.path.exists("/proc/self/sched"):
         return f"no sched_setattr on {platform.system()} {platform.machine()}"
-    libc = ctypes.CDLL(None, use_errno=True)
     nice = os.getpriority(os.PRIO_PROCESS, 0)
-    attr = ctypes.create_string_buffer(struct.pack(_ATTR, struct.calcsize(_ATTR), 0, 0, nice, 0,
-                                                   us * 1000, 0, 0, 0, 0))
     for tid in sorted(int(t) for t in os.listdir("/proc/self/task")):  # threads started at import too
-        if libc.syscall(_SCHED_SETATTR, tid, attr, 0) != 0:
+        if not _set_attr(tid, SCHED_OTHER, nice, us):
             return f"sched_setattr: {os.strerror(ctypes.get_errno())} (the kernel takes 100 to 100000 us)"
     return None
+
+
+SCHED_OTHER, SCHED_BATCH = 0, 3
+
+
+def _set_attr(tid: int, policy: int, nice: int, us: int) -> bool:
+    """sched_setattr: ``policy`` at ``nice`` with a slice of ``us`` (ctypes' errno says why not)."""
+    attr = ctypes.create_string_buffer(struct.pack(_ATTR, struct.calcsize(_ATTR), policy, 0, nice, 0,
+                                                   us * 1000, 0, 0, 0, 0))
+    return _libc.syscall(_SCHED_SETATTR, tid, attr, 0) == 0
 
 
 GLOO_LOOP_NICE = 10  # nice levels below the rank's own for gloo's TCP loop threads
@@ -48,28 +56,38 @@ def thread_ids() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
-def lower_gloo_loops(since: set[int], step: int = GLOO_LOOP_NICE, settle_s: float = 1.0) -> int:
+def lower_gloo_loops(since: set[int], slice_us: int = 0, step: int = GLOO_LOOP_NICE, settle_s: float = 1.0) -> int:
     """Run gloo's TCP loop threads started after ``since`` (``thread_ids()`` taken before the
-    process groups were made) ``step`` nice levels below the rank; how many there were.
+    process groups were made) ``step`` nice levels below the rank, and its worker threads as
+    SCHED_BATCH; how many loop threads there were.
 
-    Why: that thread takes a pair's lock with ``try_lock`` and, when it cannot, returns to its
-    (level-triggered) epoll_wait at once, so it spins until the lock is free. Woken by a
-    peer's bytes on a CPU where the thread holding the lock (gloo's worker, posting this
-    rank's send or receive) was running, it preempts that thread and then spins on the
-    CPU the holder needs, until the kernel's next tick. Measured here, two idle processes,
-    one CPU each, an all-gather every 0.3 ms: p50 3.0 ms, p90 3.6 (back to back: p90 2.7);
-    with the loop threads at nice +10: p50 0.24 ms, p90 2.9, mean 2.07 -> 0.67 ms; beside a
-    busy thread: p90 1.0 -> 0.55 ms. Served at tp=2, 1000 req/s: p99 4.5-5.9 -> 2.5-3.7 ms.
+    Why the loop threads: such a thread takes a pair's lock with ``try_lock`` and, when it
+    cannot, returns to its (level-triggered) epoll_wait at once, so it spins until the lock
+    is free. Woken by a peer's bytes on a CPU where the thread holding the lock (gloo's
+    worker, posting this rank's send or receive) was running, it preempts that thread and
+    then spins on the CPU the holder needs, until the kernel's next tick. Measured here, two
+    idle processes, one CPU each, an all-gather every 0.3 ms: p50 3.0 ms, p90 3.6 (back to
+    back: p90 2.7); with the loop threads at nice +10: p50 0.24 ms, p90 2.9, mean 2.07 ->
+    0.67 ms; beside a busy thread: p90 1.0 -> 0.55 ms. Served at tp=2, 1000 req/s: p99
+    4.5-5.9 -> 2.5-3.7 ms.
 
-    A loop thread names itself once it first runs (on a loaded host, after its group is
-    made): a new thread still bearing the process's own name is looked at again, every
-    10 ms, for ``settle_s`` at most."""
+    Why the workers: the lane hands each collective to a worker and then waits for it. A
+    worker of the usual policy, woken by the hand-off, preempts the lane on the spot, and
+    the CPU goes back and forth before the lane gets to its wait; as SCHED_BATCH (no
+    wake-up preemption; same nice, same ``slice_us``) it runs once the lane waits. Measured
+    here, tp=2: gloo's threads' CPU a batch 156-167 -> 122-139 us on rank 0, 164-193 ->
+    125-150 on rank 1.
+
+    A thread names itself once it first runs (on a loaded host, after its group is made): a
+    new thread still bearing the process's own name is looked at again, every 10 ms, for
+    ``settle_s`` at most."""
     base, own = os.getpriority(os.PRIO_PROCESS, 0), _name_of(os.getpid())
     lowered: set[int] = set()
+    placed: set[int] = set()
     deadline = time.monotonic() + settle_s
     while True:
         unnamed = False
-        for tid in thread_ids() - since - lowered:
+        for tid in thread_ids() - since - lowered - placed:
             name = _name_of(tid)
             if name == "gloo_tcp_loop":
                 try:
@@ -77,6 +95,10 @@ def lower_gloo_loops(since: set[int], step: int = GLOO_LOOP_NICE, settle_s: floa
                     lowered.add(tid)
                 except OSError:  # the thread ended meanwhile
                     pass
+            elif name == "pt_gloo_runloop":
+                if _SCHED_SETATTR is not None:
+                    _set_attr(tid, SCHED_BATCH, base, slice_us)  # (refused or gone: nothing changes)
+                placed.add(tid)
             elif name == own:
                 unnamed = True
         if not unnamed or time.monotonic() >= deadline:

@@ -50,7 +50,8 @@ def test_zero_asks_nothing():
 
 def test_gloos_tcp_loop_threads_run_below_the_rank_and_nothing_else_does(tmp_path):
     """Each process group's TCP loop thread goes 10 nice levels down (it spins on a lock the
-    thread it preempted holds); the rank's own threads keep their priority."""
+    thread it preempted holds); its worker threads run as SCHED_BATCH (not preempting the
+    lane that hands them a collective); the rank's own threads keep their priority and policy."""
     code = textwrap.dedent(f"""
         import os, threading, torch.distributed as dist
         from mmsched.timeslice import GLOO_LOOP_NICE, lower_gloo_loops, thread_ids
@@ -58,17 +59,21 @@ def test_gloos_tcp_loop_threads_run_below_the_rank_and_nothing_else_does(tmp_pat
         dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
         dist.new_group([0], backend="gloo")  # a second group: a second loop thread
         base = os.getpriority(os.PRIO_PROCESS, 0)
-        n = lower_gloo_loops(before)
-        seen = {{}}
+        n = lower_gloo_loops(before, 200)
+        seen, policies = {{}}, {{}}
         for tid in os.listdir("/proc/self/task"):
             comm = open(f"/proc/self/task/{{tid}}/comm").read().strip()
             seen.setdefault(comm, set()).add(os.getpriority(os.PRIO_PROCESS, int(tid)) - base)
+            policies.setdefault(comm == "pt_gloo_runloop", set()).add(os.sched_getscheduler(int(tid)))
+        print(sorted(policies[True]), sorted(policies[False]), len(seen["pt_gloo_runloop"]))
         print(n, GLOO_LOOP_NICE, sorted(seen.pop("gloo_tcp_loop")), sorted(set().union(*seen.values())))
         dist.destroy_process_group()
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    n, step, loops, others = out.stdout.split(" ", 3)
+    policies, counts = out.stdout.splitlines()
+    assert policies == f"[{os.SCHED_BATCH}] [{os.SCHED_OTHER}] 1", out.stdout  # every worker, nothing else
+    n, step, loops, others = counts.split(" ", 3)
     assert int(n) == 2, out.stdout
     assert loops == f"[{step}]" and others.strip() == "[0]", out.stdout
 
