@@ -53,6 +53,7 @@ class Leader:
                              self.frontend.connections)
         self._wake, self._stop = asyncio.Event(), asyncio.Event()
         self._now = asyncio.get_running_loop().create_future()  # set by a second signal: stop now
+        self._steps: set[asyncio.Future] = set()  # batches on the lane: a second signal cancels them
         self.publisher = Publisher(runner.group if world > 1 else None)  # role links, bound once
         if self.publisher.can_go_ahead:  # the batches behind a step go out once its agreement is in
             runner.agreed = self.publisher.ahead
@@ -174,8 +175,15 @@ class Leader:
         it still ahead) keeps its error to itself."""
         self.publisher.started(batch)
         step = self.lane.start(self._lead, batch)
-        step.add_done_callback(lambda f: f.cancelled() or f.exception())
+        step.add_done_callback(self._step_done)
+        self._steps.add(step)
+        if self._now.done():
+            step.cancel()
         return self._watched(step)
+
+    def _step_done(self, step: asyncio.Future) -> None:
+        self._steps.discard(step)
+        step.cancelled() or step.exception()  # retrieved: a step never awaited keeps its error to itself
 
     def _start(self, batch: Batch) -> Coroutine:
         """The batch's outcome, to await. With followers the batch is on the lane already
@@ -183,14 +191,16 @@ class Leader:
         return self._run_on_lane(batch) if self._overlap else self._run_solo(batch)
 
     async def _watched(self, step: asyncio.Future) -> Outcome | None:
-        """The batch's outcome; None when a second signal cut it short."""
-        if not step.done():
-            await asyncio.wait((step, self._now), return_when=asyncio.FIRST_COMPLETED)
-        if not step.done():
-            self._carry(self.core.answer_inflight(UNAVAILABLE, "service unavailable: stopped before this "
-                                                                "request finished"))
-            return None
-        return step.result()
+        """The batch's outcome; None when a second signal cut it short (it cancels the step:
+        awaited directly, not through ``asyncio.wait``, which cost ~20 us a batch here)."""
+        try:
+            return await step
+        except asyncio.CancelledError:
+            if not (step.cancelled() and self._now.done()):
+                raise  # this task's own cancellation, not the second signal's
+        self._carry(self.core.answer_inflight(UNAVAILABLE, "service unavailable: stopped before this "
+                                                            "request finished"))
+        return None
 
     # ------------------------------------------------------------ 3. answer
     def _finish(self, batch: Batch, results: list[dict], consensus_s: float | None) -> None:
@@ -288,6 +298,8 @@ class Leader:
             event("stop_now", inflight=len(self.core.inflight), queued=len(self.core.queue))
             if not self._now.done():
                 self._now.set_result(None)
+            for step in list(self._steps):
+                step.cancel()
         self._stop.set()
         self._wake.set()
 
