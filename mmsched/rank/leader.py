@@ -52,7 +52,6 @@ class Leader:
                              runner.sessions, runner.topology, runner.counters, world,
                              self.frontend.connections)
         self._wake, self._stop = asyncio.Event(), asyncio.Event()
-        self._now = asyncio.get_running_loop().create_future()  # set by a second signal: stop now
         self._steps: set[asyncio.Future] = set()  # batches on the lane: a second signal cancels them
         self.publisher = Publisher(runner.group if world > 1 else None)  # role links, bound once
         if self.publisher.can_go_ahead:  # the batches behind a step go out once its agreement is in
@@ -129,9 +128,8 @@ class Leader:
 
     def _waiting_batch(self) -> Batch | None:
         """The next batch when work is queued and followers could start it now; else None."""
-        if not self._overlap or not self.core.has_work or self._now.done() \
-                or self.life.done(time.monotonic(), False):
-            return None
+        if not self._overlap or not self.core.has_work or self.life.done(time.monotonic(), False):
+            return None  # (a second signal: done at once)
         return self.core.next_batch(time.monotonic())
 
     async def _next_batch(self) -> Batch:
@@ -170,20 +168,15 @@ class Leader:
             raise GroupBroken(f"batch step raised {describe(exc)}") from exc
 
     def _run_on_lane(self, batch: Batch) -> Coroutine:
-        """Queued on the lane at once (not when the caller next yields); awaited, the outcome
-        (None when a second signal cut it short). A step never awaited (the loop ended with
-        it still ahead) keeps its error to itself."""
+        """Queued on the lane at once (not when the caller next yields); awaited, the outcome (None
+        when a second signal cancelled it). A step never awaited keeps its error to itself."""
         self.publisher.started(batch)
         step = self.lane.start(self._lead, batch)
-        step.add_done_callback(self._step_done)
         self._steps.add(step)
-        if self._now.done():
+        step.add_done_callback(lambda f: self._steps.discard(f) or f.cancelled() or f.exception())
+        if self.life.now:
             step.cancel()
         return self._watched(step)
-
-    def _step_done(self, step: asyncio.Future) -> None:
-        self._steps.discard(step)
-        step.cancelled() or step.exception()  # retrieved: a step never awaited keeps its error to itself
 
     def _start(self, batch: Batch) -> Coroutine:
         """The batch's outcome, to await. With followers the batch is on the lane already
@@ -191,15 +184,13 @@ class Leader:
         return self._run_on_lane(batch) if self._overlap else self._run_solo(batch)
 
     async def _watched(self, step: asyncio.Future) -> Outcome | None:
-        """The batch's outcome; None when a second signal cut it short (it cancels the step:
-        awaited directly, not through ``asyncio.wait``, which cost ~20 us a batch here)."""
+        """The batch's outcome; None when a second signal cancelled it (cheaper than ``asyncio.wait``)."""
         try:
             return await step
         except asyncio.CancelledError:
-            if not (step.cancelled() and self._now.done()):
+            if not (step.cancelled() and self.life.now):
                 raise  # this task's own cancellation, not the second signal's
-        self._carry(self.core.answer_inflight(UNAVAILABLE, "service unavailable: stopped before this "
-                                                            "request finished"))
+        self._carry(self.core.answer_inflight(UNAVAILABLE, "service unavailable: stopped before this request finished"))
         return None
 
     # ------------------------------------------------------------ 3. answer
@@ -296,10 +287,8 @@ class Leader:
                   timeout_s=self.cfg.shutdown_timeout)
         elif step == "stop_now":
             event("stop_now", inflight=len(self.core.inflight), queued=len(self.core.queue))
-            if not self._now.done():
-                self._now.set_result(None)
-            for step in list(self._steps):
-                step.cancel()
+            for running in list(self._steps):
+                running.cancel()
         self._stop.set()
         self._wake.set()
 
