@@ -75,8 +75,8 @@ def lower_gloo_loops(since: set[int], slice_us: int = 0, step: int = GLOO_LOOP_N
     worker of the usual policy, woken by the hand-off, preempts the lane on the spot, and
     the CPU goes back and forth before the lane gets to its wait; as SCHED_BATCH (no
     wake-up preemption; same nice, same ``slice_us``) it runs once the lane waits. Measured
-    here, tp=2: gloo's threads' CPU a batch 156-167 -> 122-139 us on rank 0, 164-193 ->
-    125-150 on rank 1.
+    here, tp=2: gloo's threads' CPU a batch 152-157 -> 117-121 us on rank 0, 151-170 ->
+    119-128 on rank 1.
 
     A thread names itself once it first runs (on a loaded host, after its group is made): a
     new thread still bearing the process's own name is looked at again, every 10 ms, for
