@@ -87,10 +87,10 @@ def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor 
     if k and any(r[:k] != list(stamp) for r in rows):
         raise GroupBroken(f"the ranks are out of step: they gathered (step, call) {[r[:k] for r in rows]}")
     flag_rows = [r[k:] for r in rows] if k else rows
-    table = None if extra is None else _table(gathered[:, at: at + len(raw)], dtype, extra.dtype, n)
+    table = None if extra is None else _table(gathered[:, at: at + raw.nbytes], dtype, extra.dtype, n)
     all_errors = None
     if any(FAILED in r for r in flag_rows):
-        tails = gathered[:, at + len(raw):]
+        tails = gathered[:, at + raw.nbytes:]
         if any(int(t[:4].view(np.int32)[0]) > ERR_SLOTS for t in tails):
             all_errors = group.all_gather_object({i: clip(e) for i, e in errors.items()})
         else:
@@ -99,16 +99,17 @@ def agree(group, flags: np.ndarray, errors: dict[int, str], extra: torch.Tensor 
 
 
 def _bytes(extra: torch.Tensor | None) -> tuple[np.ndarray, np.dtype | None]:
-    """``extra``'s bytes, flat, and its numpy dtype (None where numpy has none: bfloat16).
-    Numpy from here: each torch op costs several µs in place, at every batch, and ``numpy()``
-    is one op where the torch path is four."""
+    """``extra`` as a C-contiguous array (of any dtype: the payload's join reads its buffer,
+    ``nbytes`` long) and its numpy dtype (None where numpy has none: bfloat16). Numpy from
+    here: each torch op costs several µs in place, at every batch, and ``numpy()`` is one op
+    where the torch path is four; a contiguous extra (the usual) costs no other."""
     if extra is None:
         return _NO_BYTES, None
     try:
         a = extra.numpy()
     except (TypeError, RuntimeError):  # a dtype numpy lacks, a conjugate or negative view, a tensor that needs grad
         return extra.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy(), None
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8), a.dtype
+    return (a if a.flags.c_contiguous else np.ascontiguousarray(a)), a.dtype
 
 
 def _table(rows: np.ndarray, dtype: np.dtype | None, torch_dtype: torch.dtype, n: int) -> torch.Tensor:
