@@ -88,7 +88,7 @@ def all_gather(payload: np.ndarray, world: int, pg) -> np.ndarray:
     round trip between the same CPUs takes 20-30 µs. (Why, found in session 49: the thread
     that posts holds the pair's lock, and gloo's transport thread, woken by the peer's
     bytes, only try-locks it and polls again, spinning until a tick when the two share a
-    CPU; a rank now runs that thread below itself, ``timeslice.lower_gloo_loops``.)
+    CPU; a rank now runs that thread below itself, ``timeslice.place_gloo_threads``.)
     Measured here (session 29, two rank processes, 3,000 back-to-back calls): pairwise p50
     0.27-0.28 ms, p90 4.0 ms, mean 0.99-1.25 ms; the collective p50 0.33-0.34, p90 0.46-0.47,
     mean 0.44-0.45 ms."""

@@ -35,7 +35,7 @@ from .rank import Follower, Leader
 from .remote import Topology
 from .sessions import SessionStore
 from .step.engine_step import FlaggedGather
-from .timeslice import lower_gloo_loops, request_slice, thread_ids
+from .timeslice import place_gloo_threads, request_slice, thread_ids
 from .transport import Transports
 
 
@@ -135,9 +135,9 @@ def lower_gloo_threads(cfg: Config, since: set[int]) -> int | None:
     """Once the process groups are made: gloo's TCP loop threads started after ``since``
     (``thread_ids()`` taken before the groups) run below the rank, and its workers without
     wake-up preemption, as a rank that asks for a scheduler slice runs them
-    (``timeslice.lower_gloo_loops``); how many loop threads, None where no slice is asked
+    (``timeslice.place_gloo_threads``); how many loop threads, None where no slice is asked
     for. The benchmarks' ranks call it too."""
-    return lower_gloo_loops(since, cfg.sched_slice_us) if cfg.sched_slice_us > 0 else None
+    return place_gloo_threads(since, cfg.sched_slice_us) if cfg.sched_slice_us > 0 else None
 
 
 def _prepare_process(cfg: Config, rank: int, world: int = 1) -> None:

@@ -52,11 +52,11 @@ GLOO_LOOP_NICE = 10  # nice levels below the rank's own for gloo's TCP loop thre
 
 
 def thread_ids() -> set[int]:
-    """This process's threads now: ``lower_gloo_loops`` looks at the ones started after."""
+    """This process's threads now: ``place_gloo_threads`` looks at the ones started after."""
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
-def lower_gloo_loops(since: set[int], slice_us: int = 0, step: int = GLOO_LOOP_NICE, settle_s: float = 1.0) -> int:
+def place_gloo_threads(since: set[int], slice_us: int = 0, step: int = GLOO_LOOP_NICE, settle_s: float = 1.0) -> int:
     """Run gloo's TCP loop threads started after ``since`` (``thread_ids()`` taken before the
     process groups were made) ``step`` nice levels below the rank, and its worker threads as
     SCHED_BATCH; how many loop threads there were.
@@ -82,27 +82,27 @@ def lower_gloo_loops(since: set[int], slice_us: int = 0, step: int = GLOO_LOOP_N
     new thread still bearing the process's own name is looked at again, every 10 ms, for
     ``settle_s`` at most."""
     base, own = os.getpriority(os.PRIO_PROCESS, 0), _name_of(os.getpid())
-    lowered: set[int] = set()
-    placed: set[int] = set()
+    placed: set[int] = set()  # looked at and set (a thread that ended meanwhile is skipped)
+    loops = 0
     deadline = time.monotonic() + settle_s
     while True:
         unnamed = False
-        for tid in thread_ids() - since - lowered - placed:
+        for tid in thread_ids() - since - placed:
             name = _name_of(tid)
             if name == "gloo_tcp_loop":
                 try:
                     os.setpriority(os.PRIO_PROCESS, tid, min(19, base + step))
-                    lowered.add(tid)
+                    loops += 1
                 except OSError:  # the thread ended meanwhile
                     pass
-            elif name == "pt_gloo_runloop":
-                if _SCHED_SETATTR is not None:
-                    _set_attr(tid, SCHED_BATCH, base, slice_us)  # (refused or gone: nothing changes)
-                placed.add(tid)
+            elif name == "pt_gloo_runloop" and _SCHED_SETATTR is not None:
+                _set_attr(tid, SCHED_BATCH, base, slice_us)  # (refused or gone: nothing changes)
             elif name == own:
                 unnamed = True
+                continue
+            placed.add(tid)
         if not unnamed or time.monotonic() >= deadline:
-            return len(lowered)
+            return loops
         time.sleep(0.01)
 
 

@@ -54,12 +54,12 @@ def test_gloos_tcp_loop_threads_run_below_the_rank_and_nothing_else_does(tmp_pat
     lane that hands them a collective); the rank's own threads keep their priority and policy."""
     code = textwrap.dedent(f"""
         import os, threading, torch.distributed as dist
-        from mmsched.timeslice import GLOO_LOOP_NICE, lower_gloo_loops, thread_ids
+        from mmsched.timeslice import GLOO_LOOP_NICE, place_gloo_threads, thread_ids
         before = thread_ids()
         dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
         dist.new_group([0], backend="gloo")  # a second group: a second loop thread
         base = os.getpriority(os.PRIO_PROCESS, 0)
-        n = lower_gloo_loops(before, 200)
+        n = place_gloo_threads(before, 200)
         seen, policies = {{}}, {{}}
         for tid in os.listdir("/proc/self/task"):
             comm = open(f"/proc/self/task/{{tid}}/comm").read().strip()
@@ -85,7 +85,7 @@ def test_a_loop_thread_that_names_itself_late_is_still_lowered():
     import threading
     import time
 
-    from mmsched.timeslice import lower_gloo_loops, thread_ids
+    from mmsched.timeslice import place_gloo_threads, thread_ids
 
     before, named, done = thread_ids(), threading.Event(), threading.Event()
 
@@ -99,7 +99,7 @@ def test_a_loop_thread_that_names_itself_late_is_still_lowered():
     t = threading.Thread(target=late_loop, daemon=True)
     t.start()
     try:
-        assert lower_gloo_loops(before) == 1
+        assert place_gloo_threads(before) == 1
         assert named.is_set()
         assert os.getpriority(os.PRIO_PROCESS, t.native_id) - os.getpriority(os.PRIO_PROCESS, 0) == 10
     finally:
