@@ -9,12 +9,14 @@ For each size, GB/s (median time per operation) of:
   materialized and released with unlink, as the leader does for a non-pooled item (the
   last close, which frees the pages, on the rank's closer thread, as in the server: what
   the lane pays; it overlaps the next fresh read, not the other approaches);
-- ``pooled``: a slice of a client's ``ShmPool`` (read with ``pread``);
+- ``pooled``: a slice of a client's ``ShmPool`` (a guarded copy out of the rank's kept
+  mapping, in two halves at once from 2 MiB: a pool its owner truncates under the copy is
+  a failed read, not a SIGBUS; ``pread`` where the guard did not build);
 - ``memfd``: a slice of a client's sealed ``MemfdPool`` (a numpy copy out of the mapping,
-  safe because the seals forbid shrinking: the ``memfd`` transport, an extension);
-- ``mapped``: for reference only, a numpy copy out of a mapping of the pool kept open:
-  what a pooled read would cost if mmsched copied out of a kept mapping instead of
-  ``pread`` (it does not: a pool its owner truncates would SIGBUS the rank).
+  in two halves at once from 2 MiB, safe because the seals forbid shrinking: the ``memfd``
+  transport, an extension);
+- ``mapped``: for reference only, one numpy copy out of a mapping of the pool on one
+  thread, with no guard and no ``Transports`` around it.
 
 Features are opened as a rank opens them, through one ``Transports``: its pool caches are
 warm (each pool mapped or opened once, as on a rank that has served it before) and big
@@ -108,7 +110,7 @@ def measure(nbytes: int, budget: float = 0.4, rounds: int = ROUNDS) -> dict:
         def copy(_):  # the ceiling: an in-process copy into a buffer the process already has
             return transports.buffers.take(nbytes).copy_(src)
 
-        def copy_mapped(_):  # reference only (mmsched does not do this): a copy out of a mapping kept open
+        def copy_mapped(_):  # reference only: one unguarded copy out of a mapping kept open, one thread
             raw = transports.buffers.take(nbytes)
             view = np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=off)
             raw.numpy()[:] = view

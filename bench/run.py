@@ -351,7 +351,7 @@ def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: d
                 TARGETS.get(("throughput", tp, r["workload"])), "bare ROUTER")
     for r in mat:
         for kind, label in (("fresh", "fresh shm"), ("pooled", "pooled shm"), ("memfd", "memfd pool (sealed, mapped)"),
-                            ("mapped", "pool mapping, numpy copy")):
+                            ("mapped", "pool mapping, one numpy copy (reference)")):
             add("materialize", f"{_size(r['bytes'])} {label}", f"{r[kind + '_gbps']:.2f} GB/s",
                 f"{r['copy_gbps']:.2f} GB/s", r[f"{kind}_ratio"], TARGETS.get(("materialize", kind, r["bytes"])),
                 "in-process copy")

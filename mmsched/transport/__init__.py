@@ -60,7 +60,7 @@ class Transports:
         if item.transport == "session":
             return SessionFeature(item, rid, self.faults, lookup)
         if item.transport == "memfd":
-            return MemfdFeature(item, rid, self.faults, self.memfds, buffers)
+            return MemfdFeature(item, rid, self.faults, self.memfds, buffers, self.reader)
         return CudaIpcFeature(item, rid, self.faults, self.rank, self.world, self.attached)
 
     def forwarded(self, item: Item, rid: str) -> ForwardedFeature:

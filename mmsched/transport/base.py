@@ -10,6 +10,7 @@ import torch
 from ..faults import Faults
 from ..protocol import Item, torch_dtype
 from .buffers import NO_REUSE, Buffers
+from .reader import ONE_THREAD, Reader
 
 
 def typed(raw: torch.Tensor, item: Item) -> torch.Tensor:
@@ -66,13 +67,15 @@ class OpenedFeature:
 
 class LeasedFeature(OpenedFeature):
     """A slice of a client's pool (pooled shm, memfd), read through a handle leased from a
-    per-rank cache (``leases.py``) into a buffer from ``buffers``. ``_open`` sets ``_lease``;
-    release gives it back: the cache keeps the pool open for the next request, nothing is unlinked."""
+    per-rank cache (``leases.py``) into a buffer from ``buffers``, a big one in two halves at
+    once (``reader``). ``_open`` sets ``_lease``; release gives it back: the cache keeps the
+    pool open for the next request, nothing is unlinked."""
 
-    __slots__ = ("_lease", "_cache", "_buffers")
+    __slots__ = ("_lease", "_cache", "_buffers", "_reader")
 
-    def __init__(self, item: Item, rid: str, faults: Faults, cache, buffers: Buffers = NO_REUSE):
-        self._lease, self._cache, self._buffers = None, cache, buffers
+    def __init__(self, item: Item, rid: str, faults: Faults, cache, buffers: Buffers = NO_REUSE,
+                 reader: Reader = ONE_THREAD):
+        self._lease, self._cache, self._buffers, self._reader = None, cache, buffers, reader
         super().__init__(item, rid, faults)
 
     def release(self, unlink: bool) -> bool:

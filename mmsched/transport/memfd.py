@@ -1,11 +1,13 @@
 """Sealed memfd pools (``transport: "memfd"``, an extension): slices copied out of a kept mapping.
 
-A pooled shm segment is read with ``pread`` because its owner may truncate it, and a
-mapping touched past the end of its file is a SIGBUS that kills the rank. A memfd sealed
-with ``F_SEAL_SHRINK | F_SEAL_GROW`` cannot change size (the kernel refuses its owner's
-``ftruncate``), so each rank maps a pool once (``MemfdCache``, a ``LeasedCache`` keyed by
-``(pid, fd)``) and copies slices out of the mapping: at 16 MiB ~0.75-0.88 of an
-in-process copy into a reused buffer, against ~0.47-0.56 for ``pread`` (bench/materialize.py). Before a mapping is trusted, and on every item, a pool
+A mapping touched past the end of its file is a SIGBUS that kills the rank. A pooled shm
+segment's owner may truncate it, so a rank copies out of its mapping only under a guard
+(``shm_pool.py``, a C part), and reads it with ``pread`` where the guard did not build. A
+memfd sealed with ``F_SEAL_SHRINK | F_SEAL_GROW`` cannot change size (the kernel refuses
+its owner's ``ftruncate``), so each rank maps a pool once (``MemfdCache``, a ``LeasedCache``
+keyed by ``(pid, fd)``) and copies slices out of the mapping with no guard at all, in two
+halves at once from 2 MiB (``reader.py``): at 16 MiB 0.7-1.4 of an in-process copy into a
+reused buffer (bench/materialize.py). Before a mapping is trusted, and on every item, a pool
 is refused (an error for that request only) when it is not a memfd, not sealed, backed by
 huge pages, sparse (a hole reads as zeros: a wrong 200), or not the inode the item names
 (the client's descriptor number now holds another file). The client's side is
@@ -111,9 +113,15 @@ class MemfdFeature(LeasedFeature):
                                   f"{item.offset} + nbytes {item.nbytes} = {item.offset + item.nbytes}")
 
     def _read(self) -> torch.Tensor:
-        raw = self._buffers.take(self.item.nbytes)
-        if self.item.nbytes:
-            src = np.frombuffer(self._lease.handle.map, np.uint8, self.item.nbytes, self.item.offset)
-            np.copyto(raw.numpy(), src)
-            del src  # the mapping can be closed only once no array exports it
-        return typed(raw, self.item)
+        item, pool = self.item, self._lease.handle
+        raw = self._buffers.take(item.nbytes)
+        if item.nbytes:
+            self._reader.fill(raw.numpy(), lambda part, at: _copy(part, pool.map, item.offset + at))
+        return typed(raw, item)
+
+
+def _copy(dst: np.ndarray, pool_map: mmap.mmap, offset: int) -> None:
+    """(numpy lets the GIL go while it copies: the two halves of a big read copy at once)"""
+    src = np.frombuffer(pool_map, np.uint8, dst.nbytes, offset)
+    np.copyto(dst, src)
+    del src  # the mapping can be closed only once no array exports it

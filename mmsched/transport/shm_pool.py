@@ -4,15 +4,21 @@ Measured on this machine (bench/materialize.py): reading a slice of a pool kept 
 costs a fraction of a fresh segment's open + read + unlink. So each rank keeps a bounded
 cache of open pools, keyed by name and checked against the inode on every use (a pool
 replaced under the same name is reopened), and never unlinks one. Each feature leases
-its pool until it is released (``leases.py``): a descriptor is never closed under a read. Slices are read with
-pread, not copied out of a mapping: the owner may truncate its pool at any moment, and a
-mapping touched past the file's end is a SIGBUS that kills the rank, where a short read
-is an error for one request. (A kept mapping copies faster: at 16 MiB ~0.8-0.9 of an
-in-process copy into a reused buffer, against ~0.5-0.55 for ``pread``; safety first.) The client's side is ``mmsched.producers.shm_pool``.
+its pool until it is released (``leases.py``): a descriptor is never closed under a read.
+
+Slices are copied out of a mapping each rank keeps of the pool, at ~0.8-1.0 of an
+in-process copy (16 MiB), against ~0.5-0.6 for ``pread``. The owner may truncate its pool
+at any moment, and a mapping touched past the file's end is a SIGBUS, which would kill the
+rank: so the copy is guarded (``_guarded_copy.c``: a SIGBUS inside it is a failed copy,
+here ``SegmentTooSmall`` for one request). Only a fully allocated pool is mapped (a read
+through a mapping fills a hole with pages of the client's file; ``pread`` does not), and
+where the guarded copy did not build (no C compiler) every pool is read with ``pread``.
+The client's side is ``mmsched.producers.shm_pool``.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 
@@ -23,15 +29,19 @@ from ..faults import Faults
 from ..protocol import Item
 from ..segments import SegmentTooSmall, shm_path
 from .base import LeasedFeature, typed
-from .buffers import NO_REUSE, Buffers
 from .leases import LeasedCache
-from .reader import ONE_THREAD, Reader
+
+try:
+    from ._guarded_copy import copy as guarded_copy
+except ImportError:  # built without a C compiler: pread only
+    guarded_copy = None
 
 
 class _OpenPool:
-    """A pool this rank keeps open: its descriptor, and the inode and size it had when opened."""
+    """A pool this rank keeps open: its descriptor (-1 once mapped: the mapping holds one), and
+    the inode and size it had when opened."""
 
-    __slots__ = ("name", "inode", "size", "fd")
+    __slots__ = ("name", "inode", "size", "fd", "map")
 
     def __init__(self, name: str):
         self.name = name
@@ -42,20 +52,39 @@ class _OpenPool:
             if not stat.S_ISREG(st.st_mode):
                 raise FeatureError(f"pool {name} is not a regular shared-memory segment")
             self.inode, self.size = st.st_ino, st.st_size  # 0 is fine: it holds zero-size slices
+            self.map = _map(self.fd, st)
         except BaseException:
             os.close(self.fd)
             raise
+        if self.map is not None:  # the mapping keeps a descriptor of its own (mmap dups it)
+            os.close(self.fd)
+            self.fd = -1
 
     def is_current(self) -> bool:
-        """Still the file under its name, at the size it had (a pool is replaced, never resized)."""
+        """Still the file under its name, at the size it had (a pool is replaced, never resized),
+        and, if mapped, with no hole punched since."""
         try:
             st = os.stat(shm_path(self.name))
         except OSError:
             return False
-        return st.st_ino == self.inode and st.st_size == self.size
+        return st.st_ino == self.inode and st.st_size == self.size and (self.map is None or _allocated(st))
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.map is not None:
+            self.map.close()
+        else:
+            os.close(self.fd)
+
+
+def _allocated(st: os.stat_result) -> bool:
+    return st.st_blocks * 512 >= st.st_size
+
+
+def _map(fd: int, st: os.stat_result) -> mmap.mmap | None:
+    """A read-only mapping of a fully allocated pool, for the guarded copy; else None (pread)."""
+    if guarded_copy is None or not st.st_size or not _allocated(st):
+        return None
+    return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
 
 
 class PoolCache(LeasedCache[str, _OpenPool]):
@@ -71,19 +100,12 @@ class PoolCache(LeasedCache[str, _OpenPool]):
 
 
 class PooledFeature(LeasedFeature):
-    """A slice of a client's pool, read (pread) through a leased descriptor; nothing to unlink.
+    """A slice of a client's pool, copied out of its leased mapping (guarded) or read with
+    pread; nothing to unlink. The lease keeps the descriptor and mapping until ``release``,
+    so neither goes under this read. A pool its owner shrank under the read is an error for
+    this request only."""
 
-    The lease keeps the descriptor open until ``release``, so its number is never reused
-    under this read. Never copied out of a mapping: the owner may truncate its pool at any
-    time, and touching a mapping past the end of its file is a SIGBUS that would take the
-    rank down; a short read is an error for this request only."""
-
-    __slots__ = ("_reader",)
-
-    def __init__(self, item: Item, rid: str, faults: Faults, cache: PoolCache, buffers: Buffers = NO_REUSE,
-                 reader: Reader = ONE_THREAD):
-        self._reader = reader
-        super().__init__(item, rid, faults, cache, buffers)
+    __slots__ = ()
 
     def _open(self) -> None:
         item = self.item
@@ -94,6 +116,22 @@ class PooledFeature(LeasedFeature):
                                   f"{item.offset} + nbytes {item.nbytes} = {item.offset + item.nbytes}")
 
     def _read(self) -> torch.Tensor:
-        raw = self._buffers.take(self.item.nbytes)
-        self._reader.read(self._lease.handle.fd, raw.numpy(), self.item.offset, self.item.shm_name)
+        item, pool = self.item, self._lease.handle
+        raw = self._buffers.take(item.nbytes)
+        if pool.map is None:
+            self._reader.read(pool.fd, raw.numpy(), item.offset, item.shm_name)
+        else:
+            self._reader.fill(raw.numpy(), lambda part, at: _copy(part, pool.map, item.offset + at, item))
+            if pool.map.size() < item.offset + item.nbytes:  # cut inside the slice's last page:
+                raise _shrank(item)  # no fault there, the bytes past the end read as zeros
         return typed(raw, self.item)
+
+
+def _copy(dst, pool_map: mmap.mmap, offset: int, item: Item) -> None:
+    if not guarded_copy(dst, pool_map, offset):
+        raise _shrank(item)
+
+
+def _shrank(item: Item) -> SegmentTooSmall:
+    return SegmentTooSmall(f"pool {item.shm_name} shrank below offset {item.offset} + nbytes "
+                           f"{item.nbytes} while being read")

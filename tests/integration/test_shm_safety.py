@@ -421,17 +421,20 @@ async def test_pooled_segment_shrunk_or_removed_between_requests(server):
 async def test_pooled_segment_truncated_while_ranks_copy_never_crashes_a_rank(server):
     """The owner shrinks and regrows its pool in a tight loop while requests read all of it.
     Every request gets a result (200 with whatever bytes were there, or 500), and no rank
-    dies of SIGBUS."""
+    dies of SIGBUS. Regrown with its pages reserved every other time, the ranks map it and
+    copy out of the mapping (a shrink there faults inside the guarded copy); regrown sparse,
+    they read it with pread."""
     size = 8 << 20
     pool = ShmPool(size)
     stop = threading.Event()
 
     def toggle():
-        fd = pool.segment.fd
+        fd, turn = pool.segment.fd, 0
         while not stop.is_set():
             os.ftruncate(fd, 4096)
             stop.wait(0.0003)
-            os.ftruncate(fd, size)
+            turn += 1
+            os.posix_fallocate(fd, 0, size) if turn % 2 else os.ftruncate(fd, size)
             stop.wait(0.0003)
 
     toggler = threading.Thread(target=toggle, daemon=True)

@@ -18,7 +18,7 @@ SERVER = ("mmsched.transport", "mmsched.sessions", "mmsched.rank", "mmsched.batc
 
 def modules() -> dict[str, Path]:
     out = {}
-    for path in ROOT.rglob("*.py"):
+    for path in [*ROOT.rglob("*.py"), *ROOT.rglob("*.c")]:  # .c: an extension module (setup.py), a leaf
         parts = ["mmsched", *path.relative_to(ROOT).with_suffix("").parts]
         if parts[-1] == "__init__":
             parts.pop()
@@ -29,6 +29,8 @@ def modules() -> dict[str, Path]:
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The mmsched modules ``name`` imports, anywhere in its body, plus the packages above
     each one that importing it runs first (those outside ``name``'s own package)."""
+    if path.suffix == ".c":
+        return set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found, tree = set(), ast.parse(path.read_text(), str(path))
     for node in ast.walk(tree):  # imports for type checkers only never run

@@ -12,7 +12,7 @@ import torch
 from mmsched.producers import ShmPool, create_segment
 from mmsched.protocol import Item
 from mmsched.segments import SegmentTooSmall, shm_path
-from mmsched.transport import Transports
+from mmsched.transport import Transports, shm_pool
 from mmsched.transport.reader import Reader
 
 PREFIX = "mmsched_"
@@ -105,6 +105,40 @@ def test_a_segment_that_shrinks_before_the_read_fails_that_read_only(transports,
         f.release(unlink=True)
     finally:
         again.discard()
+
+
+@pytest.mark.parametrize("keep", ["none", "first half", "most of the second half"])
+def test_a_pool_that_shrinks_under_its_mapped_copy_fails_that_read_only(transports, keep):
+    """A pooled read copies out of the rank's mapping of the pool: its owner shrinking it
+    there is a SIGBUS in the copy, which must be this request's SegmentTooSmall, whichever
+    half it cuts; the pool, grown back, reads again through the same mapping."""
+    if shm_pool.guarded_copy is None:
+        pytest.skip("the guarded copy did not build: pooled reads are preads (the test above)")
+    nbytes = 2 * SPLIT
+    pool = ShmPool(nbytes + 4096, PREFIX)
+    try:
+        offset = pool.put(noise(nbytes, 7))
+        f = transports.open(shm_item(pool.name, nbytes, offset, pooled=True), "r")
+        assert f.error is None
+        mapped = f._lease.handle
+        assert mapped.map is not None
+        cut = {"none": 0, "first half": offset + nbytes // 2, "most of the second half": offset + nbytes - 7}[keep]
+        os.ftruncate(pool.segment.fd, cut)
+        before = transports.reader.splits
+        with pytest.raises(SegmentTooSmall, match=pool.name):
+            f.materialize()
+        assert transports.reader.splits == before + 1
+        f.release(unlink=True)
+        os.posix_fallocate(pool.segment.fd, 0, pool.size)  # the owner grows it back, same inode and size
+        pool.free(offset, nbytes)
+        data = noise(nbytes, 8)
+        offset = pool.put(data)
+        g = transports.open(shm_item(pool.name, nbytes, offset, pooled=True), "r")
+        assert g._lease.handle is mapped
+        assert digest(g.materialize()) == digest(data)
+        g.release(unlink=True)
+    finally:
+        pool.close()
 
 
 def test_the_helper_holds_no_buffer_once_a_read_is_over(tmp_path):

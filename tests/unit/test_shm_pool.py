@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import signal
@@ -18,6 +19,7 @@ from mmsched.protocol import Item
 from mmsched.sweep import sweep
 from mmsched.producers import ShmPool
 from mmsched.segments import shm_path
+from mmsched.transport import shm_pool
 from mmsched.transport.shm_pool import PoolCache, PooledFeature
 from tests.integration.lifecycle import replace_segment
 
@@ -221,3 +223,31 @@ def test_a_dead_clients_pool_is_left_to_the_sweep():
         for n in os.listdir("/dev/shm"):
             if n.startswith(prefix):
                 os.unlink(shm_path(n))
+
+
+def test_a_full_pool_is_mapped_and_a_sparse_one_is_read_with_pread(pools):
+    """A read through a mapping fills a hole with pages of the client's file (pread does not):
+    only a fully allocated pool is mapped, and one with a hole punched since is let go."""
+    if shm_pool.guarded_copy is None:
+        pytest.skip("the guarded copy did not build: every pool is read with pread")
+    full = pools(1 << 20)
+    data = torch.randint(0, 256, (5000,), dtype=torch.uint8)
+    at = full.put(data)
+    sparse = f"mmsched_{uuid.uuid4().hex[:12]}"
+    fd = os.open(shm_path(sparse), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    cache = PoolCache()
+    try:
+        os.ftruncate(fd, 1 << 20)
+        os.pwrite(fd, bytes(data.numpy()), 8192)
+        assert read(cache, full.name, at, 5000) == bytes(data.numpy())
+        assert read(cache, sparse, 8192, 5000) == bytes(data.numpy())
+        assert current(cache, full.name).map is not None and current(cache, sparse).map is None
+        mapped = current(cache, full.name)
+        punch = ctypes.CDLL(None, use_errno=True).fallocate  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        assert punch(full.segment.fd, 3, ctypes.c_long(65536), ctypes.c_long(65536)) == 0, os.strerror(ctypes.get_errno())
+        assert read(cache, full.name, at, 5000) == bytes(data.numpy())  # read anew, with pread
+        assert current(cache, full.name) is not mapped and current(cache, full.name).map is None
+    finally:
+        cache.clear()
+        os.close(fd)
+        os.unlink(shm_path(sparse))
