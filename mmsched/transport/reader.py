@@ -1,7 +1,7 @@
 """Reading a big feature with two threads at once.
 
-A segment is read with ``preadv``, never out of a mapping (a segment that shrinks would
-SIGBUS the rank), and one ``preadv`` from tmpfs copies at ~0.25-0.5 of a user-space copy
+A fresh segment is read with ``preadv``, not out of a mapping (mapping it for one read
+costs what ``preadv`` does), and one ``preadv`` from tmpfs copies at ~0.25-0.5 of a user-space copy
 here: the kernel walks the file page by page. Two ``preadv`` calls on the two halves, one
 on a helper thread (the GIL is released while each copies), read 1.6-2x as fast from
 2 MiB up; below that the hand-off costs what it saves. A pool's guarded copy out of its

@@ -84,7 +84,10 @@ def _map(fd: int, st: os.stat_result) -> mmap.mmap | None:
     """A read-only mapping of a fully allocated pool, for the guarded copy; else None (pread)."""
     if guarded_copy is None or not st.st_size or not _allocated(st):
         return None
-    return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+    try:
+        return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+    except OSError:  # (out of address space, say): the pool is still read, with pread
+        return None
 
 
 class PoolCache(LeasedCache[str, _OpenPool]):
