@@ -13,21 +13,11 @@ or a ``taskset`` the supervisor applied) split into ``local_world`` contiguous r
 local rank; with fewer CPUs than ranks, ranks share a CPU in order. One rank on its host
 keeps every CPU. Threads inherit their creator's mask, so this runs first, and also sets
 the threads already running (torch's, at import).
-
-One thread is sent the other way: the leader's ZeroMQ I/O thread runs on the CPUs its share
-left out (``outside_share``). At the rates where latency is hard, rank 0's share is the
-busiest CPU of the group (its loop, lane and gloo's threads wait 0.2-0.7 ms a batch for it),
-and the I/O thread moves every message in and out without the GIL. Measured here (2 CPUs,
-tp=2, plain client, servers alternating): p50 at 12000 req/s 4.29 -> 2.86, 3.82 -> 2.92 and
-3.41 -> 2.82 ms, and against the code before 3.07 -> 2.74 ms (better in 18 of 24 pairs); at
-1000 req/s 1.01 -> 0.92 ms. Left on every CPU instead, it did no better than on rank 0's.
 """
 
 from __future__ import annotations
 
 import os
-
-_outside: list[int] = []  # the CPUs the process may use that this rank's share left out (pin_rank)
 
 
 def share(cpus: list[int], local_rank: int, local_world: int) -> list[int]:
@@ -67,14 +57,7 @@ def pin_rank(mode: str, world: int, env: dict | os._Environ = os.environ) -> lis
         except OSError:
             pass
         return f"sched_setaffinity {ranges(mine)}: {exc.strerror}"
-    _outside[:] = sorted(set(allowed) - set(mine))
     return mine
-
-
-def outside_share() -> list[int]:
-    """The CPUs this process may use outside its rank's share (empty where ``pin_rank``
-    pinned nothing, or the share is every CPU): where the leader runs ZeroMQ's I/O thread."""
-    return list(_outside)
 
 
 def _set_threads(cpus) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import log
-from .affinity import outside_share, pin_rank, ranges
+from .affinity import pin_rank, ranges
 from .batch import BatchRunner
 from .config import Config
 from .descriptors import reserve_descriptors
@@ -147,9 +147,8 @@ def _prepare_process(cfg: Config, rank: int, world: int = 1) -> None:
     pinned, refused = place_process(cfg, world)
     if isinstance(pinned, str):
         event("cpu_affinity_refused", logging.WARNING, reason=pinned)
-    elif pinned is not None:  # the leader's ZeroMQ I/O thread runs outside its share (affinity.py)
-        io = {"zmq_io_cpus": ranges(outside_share())} if rank == 0 and outside_share() else {}
-        event("rank_cpus", cpus=ranges(pinned), **io)
+    elif pinned is not None:
+        event("rank_cpus", cpus=ranges(pinned))
     if refused:
         event("sched_slice_refused", logging.WARNING, slice_us=cfg.sched_slice_us, reason=refused)
     if rank > 0:

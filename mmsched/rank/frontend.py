@@ -12,7 +12,6 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from ..affinity import outside_share
 from ..auth import claim_ipc, ipc_identity, ipc_lost, remove_ipc, restrict_ipc, secure_frontend
 from ..config import Config
 from ..descriptors import connections_at_most
@@ -39,8 +38,6 @@ class Frontend:
         self.per_read = max(cfg.max_batch, 64)
         claim_ipc(cfg.frontend)  # again: another server may have bound it since the CLI checked
         self.ctx = zmq.asyncio.Context()
-        for cpu in outside_share():  # set before the first socket: libzmq starts its I/O thread there
-            self.ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)  # per frame: the hard backstop

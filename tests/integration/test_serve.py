@@ -289,14 +289,10 @@ def test_the_serving_event_says_which_gil_switch_interval_the_leader_runs_with(s
     assert "gil_switch_us=250" in line, line
 
 
-def _cpus_of_threads(pid: int, zmq: bool = False) -> set[str]:
-    """Every thread's ``Cpus_allowed_list`` (as /proc writes it: ``0-3,6``), of ZeroMQ's
-    threads (``ZMQbg/...``) where ``zmq``, else of the others."""
+def _cpus_of_threads(pid: int) -> set[str]:
+    """Every thread's ``Cpus_allowed_list`` (as /proc writes it: ``0-3,6``)."""
     out = set()
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/comm") as fh:
-            if fh.read().startswith("ZMQbg/") != zmq:
-                continue
         with open(f"/proc/{pid}/task/{tid}/status") as fh:
             out.update(l.split(":", 1)[1].strip() for l in fh if l.startswith("Cpus_allowed_list:"))
     return out
@@ -305,19 +301,16 @@ def _cpus_of_threads(pid: int, zmq: bool = False) -> set[str]:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to share")
 @pytest.mark.parametrize("mode", ["spread", "off"])
 def test_each_rank_of_a_group_runs_on_its_own_cpus(start_server, mode):
-    """tp=2 on this host's CPUs: with ``spread`` every thread of rank 0 (its loop, lane and gloo's
-    threads) runs on the first half and rank 1's on the second, as each rank logs, but for the
-    leader's ZeroMQ threads, on the second half (away from rank 0's busy CPU); with ``off``
-    the scheduler places them anywhere. Served either way, with the right bytes."""
+    """tp=2 on this host's CPUs: with ``spread`` every thread of rank 0 (its loop, lane, gloo's and
+    ZeroMQ's threads) runs on the first half and rank 1's on the second, as each rank logs;
+    with ``off`` the scheduler places them anywhere. Served either way, with the right bytes."""
     srv = start_server("--tp", "2", "--cpu-affinity", mode)
     allowed = sorted(os.sched_getaffinity(0))
     half = len(allowed) // 2
     want = [ranges(allowed[:half]), ranges(allowed[half:])] if mode == "spread" else [ranges(allowed)] * 2
-    leader, follower = srv.rank_pids()
-    assert [_cpus_of_threads(leader), _cpus_of_threads(follower)] == [{want[0]}, {want[1]}]
-    assert _cpus_of_threads(leader, zmq=True) == {want[1]}  # I/O and reaper: started with the frontend
-    logged = re.findall(r"\[rank(\d)\] rank_cpus cpus=(\S+)(?: zmq_io_cpus=(\S+))?", srv.logs())
-    assert sorted(logged) == ([("0", want[0], want[1]), ("1", want[1], "")] if mode == "spread" else []), srv.logs()
+    assert [_cpus_of_threads(p) for p in srv.rank_pids()] == [{want[0]}, {want[1]}]
+    logged = re.findall(r"\[rank(\d)\] rank_cpus cpus=(\S+)", srv.logs())
+    assert sorted(logged) == ([("0", want[0]), ("1", want[1])] if mode == "spread" else []), srv.logs()
     feature = torch.randint(0, 256, (64, 64), dtype=torch.uint8)
 
     async def one():
