@@ -61,14 +61,14 @@ def _worker(rank: int, world: int, port: int, batches: list[int], budget: float,
     from mmsched import consensus
     from mmsched.config import Config
     from mmsched.group import GlooGroup
-    from mmsched.server import lower_gloo_threads, place_process
+    from mmsched.server import place_gloo, place_process
     from mmsched.timeslice import thread_ids
 
     cfg = Config()  # as a rank runs, before gloo starts its threads: its CPUs, its slice, one torch thread
     place_process(cfg, world, {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)})
     before = thread_ids()
     group = GlooGroup(rank, world, f"tcp://127.0.0.1:{port}", timeout_s=60)
-    lower_gloo_threads(cfg, before)  # and, the group up, its gloo loop threads below it
+    place_gloo(cfg, before)  # and, the group up, its gloo loop threads below it
     barrier = np.zeros(8, dtype=np.uint8)  # one flag's bytes
 
     def agreed(*values: int) -> list[int]:

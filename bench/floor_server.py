@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mmsched import timeslice  # noqa: E402
 from mmsched.config import Config  # noqa: E402
-from mmsched.server import lower_gloo_threads, place_process  # noqa: E402
+from mmsched.server import place_gloo, place_process  # noqa: E402
 
 MAX_BATCH = 256
 _gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
@@ -57,7 +57,7 @@ def _join(rank: int, port: int) -> tuple[torch.Tensor, torch.Tensor]:
     before = timeslice.thread_ids()
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=datetime.timedelta(seconds=30))
-    lower_gloo_threads(cfg, before)
+    place_gloo(cfg, before)
     return torch.zeros(1 + MAX_BATCH, dtype=torch.int32), torch.zeros(2 * (1 + MAX_BATCH), dtype=torch.int32)
 
 

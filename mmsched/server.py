@@ -69,7 +69,7 @@ def run_rank(cfg: Config, rank: int, world: int) -> int:
         event("group_init_failed", logging.ERROR, error=describe(exc))
         return 3
     outlive_launcher(rank)  # the group and its engine are up
-    if world > 1 and lower_gloo_threads(cfg, before_groups) == 0:  # ranks that mostly wait
+    if world > 1 and place_gloo(cfg, before_groups) == 0:  # ranks that mostly wait
         event("gloo_loops_not_found", logging.WARNING, thread="gloo_tcp_loop")
     lane = make_lane(cfg)
     runner = BatchRunner(group, engine, faults, unlinks=(rank == 0),
@@ -131,7 +131,7 @@ def place_process(cfg: Config, world: int, env=os.environ) -> tuple[list[int] | 
     return pinned, request_slice(cfg.sched_slice_us)
 
 
-def lower_gloo_threads(cfg: Config, since: set[int]) -> int | None:
+def place_gloo(cfg: Config, since: set[int]) -> int | None:
     """Once the process groups are made: gloo's TCP loop threads started after ``since``
     (``thread_ids()`` taken before the groups) run below the rank, and its workers without
     wake-up preemption, as a rank that asks for a scheduler slice runs them

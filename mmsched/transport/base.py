@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..faults import Faults
@@ -77,6 +78,16 @@ class LeasedFeature(OpenedFeature):
                  reader: Reader = ONE_THREAD):
         self._lease, self._cache, self._buffers, self._reader = None, cache, buffers, reader
         super().__init__(item, rid, faults)
+
+    def _read(self) -> torch.Tensor:
+        raw = self._buffers.take(self.item.nbytes)
+        if self.item.nbytes:
+            self._reader.fill(raw.numpy(), self._copy_part)
+        return typed(raw, self.item)
+
+    def _copy_part(self, dst: np.ndarray, at: int) -> None:
+        """Fill ``dst`` with the slice's bytes from ``at`` on (a whole read, or one of its halves)."""
+        raise NotImplementedError
 
     def release(self, unlink: bool) -> bool:
         if self._lease is not None:

@@ -22,11 +22,10 @@ import os
 import stat
 
 import numpy as np
-import torch
 
 from ..errors import FeatureError
 from ..segments import SegmentTooSmall
-from .base import LeasedFeature, typed
+from .base import LeasedFeature
 from .leases import LeasedCache
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # what makes a kept mapping safe: a fixed size
@@ -112,16 +111,8 @@ class MemfdFeature(LeasedFeature):
             raise SegmentTooSmall(f"memfd pool {pool.path} holds {pool.size} bytes; offset "
                                   f"{item.offset} + nbytes {item.nbytes} = {item.offset + item.nbytes}")
 
-    def _read(self) -> torch.Tensor:
-        item, pool = self.item, self._lease.handle
-        raw = self._buffers.take(item.nbytes)
-        if item.nbytes:
-            self._reader.fill(raw.numpy(), lambda part, at: _copy(part, pool.map, item.offset + at))
-        return typed(raw, item)
-
-
-def _copy(dst: np.ndarray, pool_map: mmap.mmap, offset: int) -> None:
-    """(numpy lets the GIL go while it copies: the two halves of a big read copy at once)"""
-    src = np.frombuffer(pool_map, np.uint8, dst.nbytes, offset)
-    np.copyto(dst, src)
-    del src  # the mapping can be closed only once no array exports it
+    def _copy_part(self, dst: np.ndarray, at: int) -> None:
+        # (numpy lets the GIL go while it copies: the two halves of a big read copy at once)
+        src = np.frombuffer(self._lease.handle.map, np.uint8, dst.nbytes, self.item.offset + at)
+        np.copyto(dst, src)
+        del src  # the mapping can be closed only once no array exports it

@@ -22,13 +22,11 @@ import mmap
 import os
 import stat
 
-import torch
+import numpy as np
 
 from ..errors import FeatureError
-from ..faults import Faults
-from ..protocol import Item
-from ..segments import SegmentTooSmall, shm_path
-from .base import LeasedFeature, typed
+from ..segments import SegmentTooSmall, read_into, shm_path
+from .base import LeasedFeature
 from .leases import LeasedCache
 
 try:
@@ -118,23 +116,12 @@ class PooledFeature(LeasedFeature):
             raise SegmentTooSmall(f"pool {item.shm_name} holds {pool.size} bytes; offset "
                                   f"{item.offset} + nbytes {item.nbytes} = {item.offset + item.nbytes}")
 
-    def _read(self) -> torch.Tensor:
+    def _copy_part(self, dst: np.ndarray, at: int) -> None:
         item, pool = self.item, self._lease.handle
-        raw = self._buffers.take(item.nbytes)
         if pool.map is None:
-            self._reader.read(pool.fd, raw.numpy(), item.offset, item.shm_name)
-        else:
-            self._reader.fill(raw.numpy(), lambda part, at: _copy(part, pool.map, item.offset + at, item))
-            if pool.map.size() < item.offset + item.nbytes:  # cut inside the slice's last page:
-                raise _shrank(item)  # no fault there, the bytes past the end read as zeros
-        return typed(raw, self.item)
-
-
-def _copy(dst, pool_map: mmap.mmap, offset: int, item: Item) -> None:
-    if not guarded_copy(dst, pool_map, offset):
-        raise _shrank(item)
-
-
-def _shrank(item: Item) -> SegmentTooSmall:
-    return SegmentTooSmall(f"pool {item.shm_name} shrank below offset {item.offset} + nbytes "
-                           f"{item.nbytes} while being read")
+            read_into(pool.fd, dst, item.offset + at, item.shm_name)  # a short read raises
+        elif not guarded_copy(dst, pool.map, item.offset + at) or pool.map.size() < item.offset + item.nbytes:
+            # a fault in the copy, or a file cut inside the slice's last page (no fault there:
+            # the bytes past the end read as zeros)
+            raise SegmentTooSmall(f"pool {item.shm_name} shrank below offset {item.offset} + nbytes "
+                                  f"{item.nbytes} while being read")
