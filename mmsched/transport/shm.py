@@ -118,6 +118,16 @@ def unlink_segment(name: str, rid: str | None = None, quiet_if_missing: bool = F
 Owner = Callable[[str, Callable[[bool], bool]], bool]  # (segment name, close(unlink)) -> close's result
 
 
+class _Hold:
+    """One segment file the leader has open for its holders: how many hold it, and whether a
+    batch left its unlink to the last of them (``owed``)."""
+
+    __slots__ = ("name", "fd", "size", "count", "owed")
+
+    def __init__(self, name: str, fd: int, size: int):
+        self.name, self.fd, self.size, self.count, self.owed = name, fd, size, 0, False
+
+
 class Holds:
     """The leader's shared locks on the segments of queued and running requests, so that the
     orphan sweep leaves them alone: one descriptor per segment, however many items or
@@ -130,17 +140,23 @@ class Holds:
     last hold does (``drop``); a request no rank read unlinks what nobody holds
     (``unlink_unheld``). Each decision and its unlink happen under one lock that ``hold``
     takes too: a request admitted meanwhile either holds the segment first (and keeps it)
-    or finds it gone (a 500: it named a segment mmsched had taken)."""
+    or finds it gone (a 500: it named a segment mmsched had taken).
+
+    A hold is of a file, not of a name: once a batch has unlinked a segment its holders
+    keep their descriptor, and the name is free. A request that names it again holds
+    whatever the client created there since, so that file goes with that request on
+    every path (outside attack: a client re-using a name while the request that first
+    sent it was still running, then aborting the second request, left the new segment
+    in /dev/shm: the leader took the name for the old request's and left it alone)."""
 
     def __init__(self, closer: Closer = NOW) -> None:
         self._closer = closer  # the last holder's descriptor may free a big segment's pages
-        self._held: dict[str, list[int]] = {}  # name -> [fd, how many holders, its size]
-        self._owed: set[str] = set()  # released by a batch while another request held them
-        self._gone: set[str] = set()  # unlinked by a batch whose requests still hold them
+        self._held: dict[str, _Hold] = {}  # name -> the file under that name now, while held
+        self._open = 0  # descriptors, those of unlinked files still held included
         self._lock = threading.Lock()  # the loop holds and drops, the lane releases
 
-    def hold(self, names: list[str]) -> list[str]:
-        """Lock each segment (or count one more holder); the names held, for ``drop``."""
+    def hold(self, names: list[str]) -> list[_Hold]:
+        """Lock each segment (or count one more holder); the holds taken, for ``drop``."""
         if not names:  # a request that hands over no segment (text-only, say): no lock to take
             return []
         held = []
@@ -150,31 +166,29 @@ class Holds:
                 if entry is None:
                     try:
                         fd, size = open_segment(name)
-                        entry = self._held[name] = [fd, 0, size]
                     except (OSError, FeatureError):
                         continue  # missing, odd or locked: the request will fail to open it, as it should
-                elif name in self._gone:
-                    continue  # a batch that read it unlinked it: this request will not find it either
-                entry[1] += 1
-                held.append(name)
+                    entry = self._held[name] = _Hold(name, fd, size)
+                    self._open += 1
+                entry.count += 1
+                held.append(entry)
         return held
 
-    def drop(self, names: list[str], rid: str | None = None) -> int:
-        """Drop one hold per name, unlinking what a batch left to its last holder; the number unlinked."""
-        if not names:
+    def drop(self, holds: list[_Hold], rid: str | None = None) -> int:
+        """Drop each hold, unlinking what a batch left to its last holder; the number unlinked."""
+        if not holds:
             return 0
         unlinked = 0
         with self._lock:
-            for name in names:
-                entry = self._held[name]
-                entry[1] -= 1
-                if entry[1] == 0:
-                    del self._held[name]
-                    self._gone.discard(name)
-                    if name in self._owed:  # unlinked first: our descriptor's close then frees the pages
-                        self._owed.discard(name)
-                        unlinked += unlink_segment(name, rid, quiet_if_missing=True)
-                    self._closer.close(entry[0], entry[2])
+            for entry in holds:
+                entry.count -= 1
+                if entry.count == 0:
+                    if self._held.get(entry.name) is entry:
+                        del self._held[entry.name]
+                    if entry.owed:  # unlinked first: our descriptor's close then frees the pages
+                        unlinked += unlink_segment(entry.name, rid, quiet_if_missing=True)
+                    self._open -= 1
+                    self._closer.close(entry.fd, entry.size)
         return unlinked
 
     def owner(self, batch: list) -> Owner:
@@ -182,22 +196,21 @@ class Holds:
         consensus: ``owner(name, close)`` calls ``close(unlink)`` on the feature reading
         ``name``, unlinking it unless a request outside the batch holds it (then the drop of
         the last hold does), and returns ``close``'s result. The batch's holds are counted once."""
-        in_batch = Counter(name for r in batch if r.holds for name in r.holds)
-        return lambda name, close: self._release(name, in_batch[name], close, batch)
+        in_batch = Counter(entry for r in batch if r.holds for entry in r.holds)
+        return lambda name, close: self._release(name, in_batch, close, batch)
 
-    def _release(self, name: str, in_batch: int, close: Callable[[bool], bool], batch: list) -> bool:
+    def _release(self, name: str, in_batch: Counter, close: Callable[[bool], bool], batch: list) -> bool:
         with self._lock:
             entry = self._held.get(name)
             if entry is None and any(r.holds is None and name in r.owned_segments for r in batch):
                 # its request was answered while the batch ran (a second signal): that answer
                 # released it, and the name may be the client's new segment by now
                 return close(False)
-            kept = entry is not None and entry[1] > in_batch
-            if kept:
-                self._owed.add(name)
-            elif entry is not None:
-                self._owed.discard(name)  # an earlier batch left it to this one
-                self._gone.add(name)  # until its holders are answered, a newcomer does not hold it
+            kept = entry is not None and entry.count > in_batch[entry]
+            if entry is not None:
+                entry.owed = kept  # (an earlier batch may have left it to this one)
+                if not kept:  # unlinked now: the name is free, a newcomer holds what is there next
+                    del self._held[name]
             return close(not kept)
 
     def unlink_unheld(self, names: list[str], rid: str | None = None) -> int:
@@ -208,4 +221,4 @@ class Holds:
 
     def __len__(self) -> int:
         """Descriptors held."""
-        return len(self._held)
+        return self._open

@@ -11,17 +11,19 @@ the batch broadcast and the consensus.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 import uuid
 
 import pytest
 
-from mmsched.client import Client, shm
+from mmsched.client import Client, raw, shm
+from mmsched.producers import create_segment
 
 from ..conftest import Server
-from .lifecycle import (expect, feature, hold_lane, my_segments, no_extra_results,
-                        sha256_of)
+from .lifecycle import (SHM_DIR, expect, feature, hold_lane, my_segments, no_extra_results,
+                        replace_segment, sha256_of)
 
 STALL_S = 2
 
@@ -201,3 +203,46 @@ async def test_abort_racing_completion_gives_exactly_one_result(group):
         await no_extra_results(c)
     print(f"abort race: {n} rounds, results by status {dict(sorted(statuses.items()))}")
     assert sum(statuses.values()) == n
+
+
+# ---------------------------------------------------------------- a segment name used again
+
+@pytest.mark.parametrize("second_is", ["aborted", "refused"])
+async def test_a_name_reused_while_its_first_request_runs_goes_with_the_second(group, second_is):
+    """Outside attack (session 54): request A's segment is unlinked after its consensus while
+    A still runs (rank 1 stalls before the engine); the client makes a new segment under the
+    free name and sends B naming it; B is aborted while queued, or refused (a dtype no server knows).
+    B's segment used to stay in /dev/shm (the leader took the name for A's, and left it to
+    A); it goes with B now, and A still reads its own bytes."""
+    t = tag()
+    first, second = feature(21), feature(22)
+    seg = create_segment(first)
+    seg.sent()  # handed over with A
+
+    def item(x, dtype: str = "float32") -> dict:
+        return {"modality": "image", "transport": "shm", "shm_name": seg.name, "dtype": dtype,
+                "shape": list(x.shape)}
+
+    rid_a = f"astall-reuse-{t}"
+    async with Client(group.addr) as c, Client(group.addr) as other:
+        fut_a = c.send_request("embed", [1], [raw(item(first))], rid=rid_a, want_digest=True)
+        deadline = time.monotonic() + 10
+        while os.path.exists(os.path.join(SHM_DIR, seg.name)):  # A's batch is past its consensus
+            assert time.monotonic() < deadline, "A's segment was not unlinked after its consensus"
+            await asyncio.sleep(0.005)
+        replace_segment(seg.name, second.numpy().tobytes())
+        rid_b = f"reuse-{t}"
+        fut_b = other.send_request("embed", [1], [raw(item(second, "float32" if second_is == "aborted" else "float99"))],
+                                   rid=rid_b)
+        if second_is == "aborted":
+            await asyncio.sleep(0.1)
+            await other.abort(rid_b)
+            b = expect(await other.wait(rid_b, fut_b, 30), 499)
+            assert b.meta.get("stage") == "queued", b.meta
+        else:
+            expect(await other.wait(rid_b, fut_b, 30), 400)
+        assert not fut_a.done(), "B was answered while A still ran"
+        a = expect(await c.wait(rid_a, fut_a, 30), 200)
+        assert a.meta["digests"] == [sha256_of(first)]
+        assert my_segments() == set(), "B's segment is released with B"
+        await no_extra_results(c)

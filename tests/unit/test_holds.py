@@ -145,3 +145,55 @@ def test_a_batch_leaves_alone_a_name_its_answered_request_already_released():
         seg.discard()
         if linked(seg):
             os.unlink(os.path.join("/dev/shm", seg.name))
+
+
+def recreate(seg, data: bytes) -> None:
+    """The client's new segment under a name mmsched has unlinked (a new file)."""
+    with open(os.path.join("/dev/shm", seg.name), "xb") as fh:
+        fh.write(data)
+
+
+def test_a_name_reused_after_its_batch_unlinked_it_goes_with_the_request_that_reused_it():
+    """Outside attack (session 54): request A's batch unlinked its segment while A still ran;
+    the client made a new segment under the free name and sent B naming it; B was aborted
+    while queued (or refused). The leader took the name for A's and left the new segment in
+    /dev/shm. A hold is of a file: B holds the new one, and B's release unlinks it."""
+    seg = create_segment(b"s" * 64)
+    seg.sent()
+    holds, before = Holds(), open_fds()
+    try:
+        a = Req(holds.hold([seg.name]))
+        assert holds.owner([a])(seg.name, lambda unlink: unlink and os.unlink(os.path.join("/dev/shm", seg.name)) or True)
+        assert not linked(seg), "A's batch unlinked it; A still holds its descriptor"
+        recreate(seg, b"n" * 64)
+        b = Req(holds.hold([seg.name]))
+        assert len(b.holds) == 1 and (len(holds), open_fds() - before) == (2, 2), "B holds the new file"
+        assert holds.drop(b.holds) == 0          # B answered unrun (aborted, refused): its hold goes ...
+        assert holds.unlink_unheld([seg.name]) == 1 and not linked(seg), "... and so does its segment"
+        assert holds.drop(a.holds) == 0 and (len(holds), open_fds() - before) == (0, 0)
+    finally:
+        seg.discard()
+
+
+def test_a_reused_name_run_in_a_later_batch_is_unlinked_by_it_and_by_nobody_else():
+    seg = create_segment(b"s" * 64)
+    seg.sent()
+    holds, unlinks = Holds(), []
+
+    def close(unlink: bool) -> bool:
+        unlinks.append(unlink)
+        if unlink:
+            os.unlink(os.path.join("/dev/shm", seg.name))
+        return True
+
+    try:
+        a = Req(holds.hold([seg.name]))
+        holds.owner([a])(seg.name, close)
+        recreate(seg, b"n" * 64)
+        b = Req(holds.hold([seg.name]))
+        assert holds.drop(a.holds) == 0 and linked(seg), "A's answer leaves B's segment alone"
+        holds.owner([b])(seg.name, close)
+        assert unlinks == [True, True] and not linked(seg)
+        assert holds.drop(b.holds) == 0 and len(holds) == 0
+    finally:
+        seg.discard()
