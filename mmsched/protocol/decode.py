@@ -63,8 +63,7 @@ def _plain(frame: Any, limits: Limits) -> Request | None:
     v, typ, rid, ids = h.get("v"), h.get("type"), h.get("rid"), h.get("input_ids")
     if (h.keys() == _PLAIN and type(v) is int and v == VERSION and type(typ) is str and typ in REQUEST_TYPES
             and type(rid) is str and 1 <= len(rid) <= 128 and type(ids) is bytes and not len(ids) % 4
-            and 1 <= len(ids) >> 2 <= limits.max_input_len and ids[3::4].isascii()
-            and limits.default_max_new_tokens <= limits.max_new_tokens):
+            and 1 <= len(ids) >> 2 <= limits.max_input_len and ids[3::4].isascii()):
         return Request(rid=rid, type=typ, input_ids=np.frombuffer(ids, dtype=I32), items=[],
                        max_new_tokens=limits.default_max_new_tokens)
     return None

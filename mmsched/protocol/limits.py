@@ -31,6 +31,13 @@ class Limits:
     max_params_bytes: int = 64 << 10
     max_params_items: int = 4096
 
+    def __post_init__(self) -> None:
+        """A request that omits ``max_new_tokens`` asks for the default, or for the server's
+        cap where that is lower (a default above the cap refused every such request, embeds
+        included: outside attack, session 54)."""
+        if self.default_max_new_tokens > self.max_new_tokens:
+            object.__setattr__(self, "default_max_new_tokens", self.max_new_tokens)
+
     @property
     def max_containers(self) -> int:
         """Maps and arrays a header may hold outside ``params``: the header, ``input_ids``,

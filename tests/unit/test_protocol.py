@@ -455,8 +455,24 @@ def test_a_plain_request_decodes_as_the_full_checks_decide(over, limits):
     header = {"v": 1, "type": "embed", "rid": "r-1", "input_ids": _ids(1, 2, 3), **over}
     alone = _outcome([pack(header)], limits)
     assert alone == _outcome([pack(header), b""], limits)
-    if not over and limits.max_new_tokens >= 8:  # the control: a request, as sent
+    if not over:  # the control: a request, as sent; a cap below the default 8 is its default
         assert alone[0] == "r-1" and alone[3] == [1, 2, 3] and alone[2] == "<i4"
+        assert alone[6] == min(8, limits.max_new_tokens)
+
+
+@pytest.mark.parametrize("params", [None, {}, {"temperature": 0}], ids=["none", "empty", "other"])
+def test_a_cap_below_the_default_is_what_a_request_without_max_new_tokens_gets(params):
+    """Outside attack (session 54): with ``max_new_tokens`` set to 5 (allowed: 1 .. 2**20)
+    every request that did not name it, embeds included, was a 400 asking for 1..5: the
+    default 8 was over the cap. A request without it now asks for the cap."""
+    limits = Limits(max_new_tokens=5)
+    header = {"v": 1, "type": "embed", "rid": "r-1", "input_ids": [1, 2, 3]}
+    if params is not None:
+        header["params"] = params
+    req = decode(frames_of(header), limits)
+    assert isinstance(req, Request) and req.max_new_tokens == 5
+    with pytest.raises(BadRequest, match=r"1\.\.5 \(max_new_tokens\)"):
+        decode(frames_of({**header, "params": {"max_new_tokens": 6}}), limits)
 
 
 # ---------------------------------------------------------------- maps as the protocol means them (outside attack)
