@@ -95,7 +95,7 @@ class _GroupCollector:
             results.add_metric([str(status)], n)
         yield results
         yield GaugeMetricFamily("mmsched_requests_waiting", "Requests queued at the leader", value=st.queued)
-        yield GaugeMetricFamily("mmsched_requests_running", "Requests in the batch being processed",
+        yield GaugeMetricFamily("mmsched_requests_running", "Requests in the batches started on the ranks (up to two at tp > 1)",
                                 value=st.running)
         yield GaugeMetricFamily("mmsched_feature_bytes_inflight", "Feature bytes of queued and running requests",
                                 value=st.feature_bytes_held)

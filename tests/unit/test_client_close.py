@@ -127,3 +127,23 @@ def test_minutes_of_failed_reconnects_do_not_freeze_the_clients_context():
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the storm hung (the context froze): {exc.stdout}")
     assert proc.returncode == 0 and "pong after" in proc.stdout, proc.stdout + proc.stderr
+
+
+async def test_a_rid_still_in_flight_raises_and_takes_back_the_segment_it_made(tmp_path):
+    """The README: calls never raise for a 4xx or 5xx, but a rid still in flight on the same
+    client raises ValueError (the caller's mistake) and sends nothing: the segment the
+    second call wrote is taken back (outside attack, session 54: the docs said nothing)."""
+    import torch
+
+    from mmsched.client import shm
+
+    def mine() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"mmsched_{os.getpid()}_")}
+
+    async with Client(f"ipc://{tmp_path}/nobody", timeout=30) as c:
+        first = c.send_request("embed", [1], rid="same")
+        before = mine()
+        with pytest.raises(ValueError, match="already in flight on this client"):
+            c.send_request("embed", [1], [shm(torch.ones(4))], rid="same")
+        assert mine() == before, "the refused call's segment is gone"
+        assert not first.done()
