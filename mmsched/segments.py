@@ -45,6 +45,12 @@ def same_file(name: str, inode: int, size: int | None = None) -> bool:
     return st.st_ino == inode and (size is None or st.st_size == size)
 
 
+def fully_allocated(st: os.stat_result) -> bool:
+    """Whether a file has a page behind every byte: no hole, which a mapping would read as
+    zeros (and fill with new pages of the owner's file)."""
+    return st.st_blocks * 512 >= st.st_size
+
+
 def read_into(fd: int, dst: np.ndarray, offset: int, name: str) -> None:
     """Fill ``dst`` (uint8, contiguous) from the segment at ``offset``; a short read is an error."""
     view = memoryview(dst).cast("B")

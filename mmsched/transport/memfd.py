@@ -24,7 +24,7 @@ import stat
 import numpy as np
 
 from ..errors import FeatureError
-from ..segments import SegmentTooSmall
+from ..segments import SegmentTooSmall, fully_allocated
 from .base import LeasedFeature
 from .leases import LeasedCache
 
@@ -80,7 +80,7 @@ def _check(fd: int, st: os.stat_result, where: str) -> None:
 
 
 def _check_allocated(st: os.stat_result, where: str) -> None:
-    if st.st_blocks * 512 < st.st_size:
+    if not fully_allocated(st):
         raise FeatureError(f"memfd pool {where} is sparse: {st.st_blocks * 512} of {st.st_size} bytes "
                            "allocated (a hole reads as zeros; the producer must fallocate it)")
 

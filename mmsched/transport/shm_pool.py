@@ -25,7 +25,7 @@ import stat
 import numpy as np
 
 from ..errors import FeatureError
-from ..segments import SegmentTooSmall, read_into, shm_path
+from ..segments import SegmentTooSmall, fully_allocated, read_into, shm_path
 from .base import LeasedFeature
 from .leases import LeasedCache
 
@@ -65,7 +65,7 @@ class _OpenPool:
             st = os.stat(shm_path(self.name))
         except OSError:
             return False
-        return st.st_ino == self.inode and st.st_size == self.size and (self.map is None or _allocated(st))
+        return st.st_ino == self.inode and st.st_size == self.size and (self.map is None or fully_allocated(st))
 
     def close(self) -> None:
         if self.map is not None:
@@ -74,13 +74,9 @@ class _OpenPool:
             os.close(self.fd)
 
 
-def _allocated(st: os.stat_result) -> bool:
-    return st.st_blocks * 512 >= st.st_size
-
-
 def _map(fd: int, st: os.stat_result) -> mmap.mmap | None:
     """A read-only mapping of a fully allocated pool, for the guarded copy; else None (pread)."""
-    if guarded_copy is None or not st.st_size or not _allocated(st):
+    if guarded_copy is None or not st.st_size or not fully_allocated(st):
         return None
     try:
         return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
