@@ -59,6 +59,7 @@ class BatchRunner:
         # queued behind this one then, so its followers start them while it renders this one)
         self.agreed: Callable[[], None] = lambda: None
         self._results = _render_all if group.rank == 0 else _no_results
+        self._stepped: tuple[int, bool] | None = None  # the batch's engine step: (number, agreed in a gather)
         self._next_prune = 0.0
 
     def exchange_counters(self) -> dict[int, dict]:
@@ -90,7 +91,11 @@ class BatchRunner:
         self._keep(reqs, m, outcomes)                                 # 6. sessions keep what succeeded
         for i, msg in m.errors.items():
             event("feature_failed", logging.DEBUG, rid=reqs[i].rid, error=msg)
-        return self._results(reqs, outcomes, self.group.world), seconds if seconds is not None else engine_s
+        results = self._results(reqs, outcomes, self.group.world)     # 7. on the leader
+        if self._stepped is not None:  # 8. the step is over here (a follower), or everywhere (the leader)
+            self.group.step_done(*self._stepped)
+            self._stepped = None
+        return results, seconds if seconds is not None else engine_s
 
     def _open(self, item, req: Request, into=None):
         return self.transports.open(item, req.rid, lambda ref: self.sessions.lookup(req.session_id, ref), into)
@@ -124,6 +129,8 @@ class BatchRunner:
         s = run_engine(self.group, self.engine, self.faults, self.stall_s,
                        engine_requests(reqs, m.tensors, live), aborted, self.gather, self.agreed)
         self.counters.failures["engine"] += s.failures
+        if self.gather is not None:
+            self._stepped = self.gather.steps, self.gather.calls > 0
         return decide(gate, s.verdict, s.outputs, m.digests, early, s.late), s.agree_s
 
     @staticmethod

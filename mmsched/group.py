@@ -35,6 +35,9 @@ class SoloGroup:
     def all_gather_object(self, obj: Any) -> list:
         return [obj]
 
+    def step_done(self, steps: int, gathered: bool) -> None:
+        pass  # no peer to wait for
+
     def close(self) -> None:
         pass
 
@@ -68,6 +71,10 @@ class GlooGroup(SubGroup):
     def broadcast(self, payload: bytes | None) -> memoryview:
         """Leader passes bytes, followers None; everyone gets the leader's bytes."""
         return broadcast_bytes(payload, None)
+
+    def step_done(self, steps: int, gathered: bool) -> None:
+        """Without the batch ring nothing tells the leader a follower's step is over (it would
+        cost a collective a batch): docs/engines.md says what a rank gathering more then risks."""
 
     def close(self) -> None:
         try:
@@ -118,6 +125,7 @@ class RingGroup:
         the leader unlinks its name (so nothing is left in /dev/shm, whatever happens next)."""
         self.gloo, self.rank, self.world = gloo, gloo.rank, gloo.world
         local = [r for r in range(1, self.world) if hosts[r] == hosts[0]]
+        self._local_names = [f"rank {r}" for r in local]
         remote = [r for r in range(1, self.world) if hosts[r] != hosts[0]]
         self._remote = dist.new_group([0, *remote], backend="gloo") if remote else None  # every rank calls it
         self.ring: Ring | None = None
@@ -170,6 +178,21 @@ class RingGroup:
 
     def all_gather_object(self, obj: Any) -> list:
         return self.gloo.all_gather_object(obj)
+
+    def step_done(self, steps: int, gathered: bool) -> None:
+        """Engine step ``steps`` is over on this rank (``gathered``: its agreement rode in the
+        step's last ``ctx.gather``). A follower on the ring says so; the leader, where its last
+        gather was the agreement, waits until each of them has said so before it answers: a
+        follower still gathering (a call more than rank 0) would otherwise have a failure it
+        names there missed and a 200 sent. Those calls pair one to one up to rank 0's last
+        (each carries its (step, call) stamp), so a follower whose step is over made as many.
+        Ranks on other hosts are not asked (a collective a batch)."""
+        if self.ring is None:
+            return
+        if self.rank != 0:
+            self.ring.report_step(steps)
+        elif gathered:  # else the runner agreed after the step, when every rank had finished it
+            self.ring.wait_steps(steps, self._local_names)
 
     def close(self) -> None:
         if self.ring is not None:

@@ -13,7 +13,9 @@ Layout: one header line (64 bytes) per word, then ``SLOTS`` slots of ``SLOT_BYTE
 - line 0: ``published``, the chunks the leader has written (a u32 that wraps), then
   ``leader_waits``, set while the leader waits for a slot (readers wake it only then; a
   wake lost to the race between the two is made up by the next tick);
-- line 1 + r: ``consumed`` by reader r (its own line: readers never share one);
+- line 1 + r: ``consumed`` by reader r (its own line: readers never share one), then
+  the engine steps reader r has finished (``report_step``; the leader answers a step only
+  once each reader has finished it: ``wait_steps``);
 - slot: u32 message length, u32 chunk length, the chunk's bytes.
 
 A message longer than a slot's payload spans consecutive slots (the overflow path): the
@@ -95,6 +97,7 @@ class Ring:
         self._slots = _LINE * (1 + readers)
         self._words = memoryview(self._mm)[: self._slots].cast("I")
         self._addr = [ctypes.c_void_p(self._base + line * _LINE) for line in range(1 + readers)]
+        self._step_addr = [ctypes.c_void_p(self._base + (1 + r) * _LINE + 4) for r in range(readers)]
         self._count = 0          # chunks written (leader) or read (reader) so far, unwrapped
         self.peers: list[int | None] = []  # the pids waited on: readers (leader), the leader (reader)
 
@@ -141,9 +144,10 @@ class Ring:
 
     # ------------------------------------------------------------ waiting
 
-    def _wait(self, line: int, until, who: str) -> None:
-        """Sleep on a header word until ``until(value)``; GroupBroken past the deadline or if a peer died."""
-        at, addr = line * _LINE // 4, self._addr[line]
+    def _wait(self, line: int, until, who: str, word: int = 0) -> None:
+        """Sleep on a header word (``word`` of ``line``) until ``until(value)``; GroupBroken past
+        the deadline or if a peer died."""
+        at, addr = line * _LINE // 4 + word, self._addr[line] if word == 0 else self._step_addr[line - 1]
         seen = self._words[at]
         if until(seen):
             return
@@ -193,7 +197,19 @@ class Ring:
             if off >= n:
                 return
 
+    def wait_steps(self, steps: int, names: list[str] | None = None) -> None:
+        """Wait until every reader has finished engine step ``steps`` (``names``: the readers
+        as an error should name them, their ranks)."""
+        for r in range(self.readers):
+            who = names[r] if names else f"ring reader {r}"
+            self._wait(1 + r, lambda v: v == steps & MASK, f"{who} (engine step {steps})", word=1)
+
     # ------------------------------------------------------------ reader
+
+    def report_step(self, steps: int) -> None:
+        """Engine step ``steps`` is over here (the leader may be waiting for it)."""
+        self._words[(1 + self.index) * _LINE // 4 + 1] = steps & MASK
+        _futex_wake(self._step_addr[self.index])
 
     def read(self) -> bytes:
         """The next message, copied out of the ring (its slots are free again on return)."""

@@ -183,6 +183,54 @@ def test_the_leader_knows_when_a_write_would_wait_for_a_reader():
         w.close()
 
 
+def test_the_leader_waits_for_each_readers_step():
+    """``wait_steps`` is how the leader knows a follower finished an engine step before it
+    answers: a reader still in the step breaks the group at the deadline, a dead one at the
+    next tick; the step count wraps as a u32."""
+    name, (got, out) = _name(), CTX.Pipe(duplex=False)
+    w = Ring.create(name, readers=2, timeout_s=1.0)
+    p = CTX.Process(target=_reporter, args=(name, got))
+    try:
+        a = Ring.attach(name, 2, 0, timeout_s=1.0)
+        a.report_step(1)
+        p.start()
+        w.peers = [os.getpid(), p.pid]
+        t0 = time.monotonic()
+        w.wait_steps(1)  # reader 1 (another process) reports 0.3 s after the leader waits
+        assert time.monotonic() - t0 > 0.25
+        a.report_step(2)
+        t0 = time.monotonic()
+        with pytest.raises(GroupBroken, match=r"ring: rank 2 \(engine step 2\) did not move within 1 s"):
+            w.wait_steps(2, ["rank 1", "rank 2"])  # reader 1 is still in step 2 (gathering once more, say)
+        assert 0.9 < time.monotonic() - t0 < 3.0
+        a.report_step(2 ** 32 + 2)
+        out.send(2 ** 32 + 2)
+        w.wait_steps(2 ** 32 + 2)
+        out.send(None)  # reader 1 dies without reporting step 3
+        p.join(10)
+        a.report_step(3)
+        t0 = time.monotonic()
+        with pytest.raises(GroupBroken, match=r"ring reader 1 \(engine step 3\) is gone"):
+            w.wait_steps(3)
+        assert time.monotonic() - t0 < 1.0  # seen at the next tick, not at the deadline
+        a.close()
+    finally:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+        w.close()
+
+
+def _reporter(name: str, steps) -> None:
+    """Reader 1: step 1 after 0.3 s (the leader is waiting by then), then each step it is sent."""
+    r = Ring.attach(name, 2, 1, timeout_s=10)
+    time.sleep(0.3)
+    r.report_step(1)
+    while (step := steps.recv()) is not None:
+        r.report_step(step)
+    r.close()
+
+
 def _stopped(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as fh:
         return fh.read().rsplit(")", 1)[1].split()[0] == "T"

@@ -41,6 +41,9 @@ class CountingGroup:
     def all_gather_object(self, obj):
         return self._count("all_gather_object", obj)
 
+    def step_done(self, steps, gathered):
+        return self.inner.step_done(steps, gathered)  # no collective: a word in the batch ring, if any
+
 
 def _batches():
     from mmsched.batch import Batch
