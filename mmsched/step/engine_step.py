@@ -140,12 +140,14 @@ class FlaggedGather:
         self.seconds = 0.0
         self.agreed: Callable[[], None] | None = None  # called once, after the step's first gather
         self.agreed_error: BaseException | None = None  # what it raised: run_engine raises it after the step
+        self.gather_error: BaseException | None = None  # a call's collective raised: the same, whatever the step did
 
     def arm(self, requests: list[EngineRequest], aborted: Callable[[], Mapping[int, str]],
             agreed: Callable[[], None] | None = None) -> None:
         self.steps += 1  # the same count on every rank: every rank runs the same steps
         self.requests, self.aborted, self.failed, self.thread = requests, aborted, {}, threading.get_ident()
         self.verdict, self.calls, self.agreed, self.agreed_error = None, 0, agreed, None
+        self.gather_error = None
 
     def disarm(self) -> consensus.Verdict | None:
         """The step is over: let go of its requests, whose features (1 GiB each, maybe) would
@@ -167,7 +169,11 @@ class FlaggedGather:
         flags, errors = local_flags(requests, self.failed, self.faults, self.aborted())
         self.calls += 1  # the stamp: a rank that gathered more or less often than its peers is caught
         t0 = time.perf_counter()
-        self.verdict = consensus.agree(self.group, flags, errors, extra=local, stamp=(self.steps, self.calls))
+        try:
+            self.verdict = consensus.agree(self.group, flags, errors, extra=local, stamp=(self.steps, self.calls))
+        except BaseException as exc:  # an engine that catches it and returns would otherwise be
+            self.gather_error = exc   # answered by an earlier call's verdict, its peers out of step
+            raise
         self.seconds = time.perf_counter() - t0  # the last call's: the agreement's time, for /metrics
         if self.agreed is not None:
             agreed, self.agreed = self.agreed, None
@@ -220,6 +226,9 @@ def run_engine(group, engine: Engine, faults: Faults, stall_s: float, requests: 
         verdict = gather.disarm() if gather is not None else None
     if gather is not None and gather.agreed_error is not None:
         raise gather.agreed_error  # publishing the next batches failed: the group is broken
+    if gather is not None and gather.gather_error is not None:
+        raise GroupBroken(f"EngineContext.gather failed on rank {group.rank} ({describe(gather.gather_error)}) "
+                          f"and the step went on: the ranks' gathers may be out of step") from gather.gather_error
     failures = {j: o for j, o in enumerate(outs) if isinstance(o, Exception)}
     if verdict is not None and raised is not None:  # it may have left its peers inside a later gather
         raise GroupBroken(f"the engine's step raised after EngineContext.gather on rank {group.rank} "

@@ -412,6 +412,37 @@ def test_a_failure_to_publish_after_the_agreement_breaks_the_step_even_if_the_en
     assert s.outputs == [{"o": 1.0}]  # the next step starts clean
 
 
+@pytest.mark.parametrize("fails_at", [1, 2])
+def test_a_gather_whose_collective_failed_breaks_the_step_even_if_the_engine_swallows_it(fails_at):
+    """Outside attack (session 55): an engine that caught the error of a failed gather (its
+    group's timeout shortened, a peer in another call) and returned was answered 200 by an
+    earlier call's verdict, or by the runner's own agreement, with its peers out of step."""
+    from mmsched.errors import GroupBroken
+    from mmsched.step.engine_step import FlaggedGather
+
+    class Failing(Mirror):
+        def all_gather(self, payload):
+            if self.calls + 1 == fails_at:
+                self.calls += 1
+                raise GroupBroken("all_gather failed: Timed out waiting 500ms")
+            return super().all_gather(payload)
+
+    class Swallowing(Twice):
+        def step(self, reqs):
+            try:
+                return super().step(reqs)
+            except GroupBroken:  # an engine returning per-request errors, as the docs advise
+                return [ValueError("gather failed") for _ in reqs]
+
+    group = Failing()
+    gather = FlaggedGather(group, NO_FAULTS, 0.0)
+    with pytest.raises(GroupBroken, match=r"EngineContext.gather failed on rank 0 \(GroupBroken: all_gather failed"):
+        run_engine(group, Swallowing(gather), NO_FAULTS, 0.0, requests("a"), dict, gather)
+    assert group.calls == fails_at, "no agreement of the runner's own after the failed gather"
+    s = run_engine(group, Gathering(gather), NO_FAULTS, 0.0, requests("a"), dict, gather)
+    assert s.outputs == [{"o": 1.0}], "the next step starts clean"
+
+
 def test_a_step_that_does_not_gather_is_agreed_after_it_and_the_gather_refuses_misuse():
     import torch
 
