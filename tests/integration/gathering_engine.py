@@ -5,6 +5,7 @@ batch's): the tests of test_engine_gather.py serve it at tp=2."""
 from __future__ import annotations
 
 import zlib
+from datetime import timedelta
 
 import torch
 
@@ -44,4 +45,10 @@ class GatheringEngine:
         rows = self.ctx.gather(local, failed)  # [world, n, 3]
         if mode == "extra_r1" and rank == 1:  # one gather more than its peer, of the same shape
             self.ctx.gather(local, {})
+        if mode == "extra_caught_r1" and rank == 1:  # the same, its failure (0.5 s) caught: the step goes on
+            self.ctx.group.set_timeout(timedelta(seconds=0.5))
+            try:
+                self.ctx.gather(local, {0: ValueError("named in the extra call")})
+            except Exception:  # noqa: BLE001 - an engine that returns errors rather than raise
+                failed = dict.fromkeys(range(len(requests)), RuntimeError("the extra gather failed"))
         return [failed.get(j) or {"sum": float(rows[:, j, 0].sum())} for j in range(len(requests))]

@@ -47,10 +47,10 @@ async def test_rows_failures_and_misuse_of_failed_are_agreed_in_the_gather(gathe
     assert my_segments() == set()
 
 
-@pytest.mark.parametrize("mode", ["raise_before_r0", "skip_r1", "raise_between_r0", "extra_r1"])
+@pytest.mark.parametrize("mode", ["raise_before_r0", "skip_r1", "raise_between_r0", "extra_r1", "extra_caught_r1"])
 async def test_a_rank_out_of_step_with_its_peers_gathers_breaks_the_group_cleanly(private_server, mode):  # noqa: F811
-    """Never gathering, raising between two gathers, one gather more: each would pair one
-    step's gather with another's (a 200 read from another request's rows, or gloo's abort
+    """Never gathering, raising between two gathers, one gather more (its failure caught, too):
+    each would pair one step's gather with another's (a 200 read from another request's rows, or gloo's abort
     on a size mismatch); the group breaks instead, every request answered."""
     srv = private_server("--tp", "2", *ENGINE, "--collective-timeout", "2", env={"PYTHONPATH": HERE})
     pids = srv.rank_pids()
