@@ -27,7 +27,7 @@ class EngineContext:
     seed: int                 # cfg.seed
     options: dict             # cfg.engine_options: the [engine_options] table, passed through
     # The runner's all-gather, for an engine whose step has one cross-rank gather anyway:
-    # ``gather(local, failed)`` with ``local`` [n, ...] (one row per request of the step) and
+    # ``gather(local, failed)`` with ``local`` [n, ...] (one row per request of the step; a dense CPU tensor) and
     # ``failed`` {request index: exception} returns every rank's ``local`` as [world, n, ...],
     # and the runner's agreement on failures and aborts rides in it, so the step costs no
     # collective of its own (docs/engines.md). None where the runner gives none (tests).

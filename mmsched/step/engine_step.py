@@ -163,6 +163,9 @@ class FlaggedGather:
         if not isinstance(local, torch.Tensor) or local.dim() == 0 or local.shape[0] != len(requests):
             shape = tuple(local.shape) if isinstance(local, torch.Tensor) else type(local).__name__
             raise ValueError(f"gather: {shape} is not one row per request ({len(requests)})")
+        if local.device.type != "cpu" or local.layout != torch.strided:  # gloo reads the bytes on the CPU
+            raise ValueError(f"gather: rows must be a dense CPU tensor, not {local.layout} on {local.device} "
+                             f"(pass local.cpu(), or .to_dense())")
         self.failed.update(_named_failures(failed, len(requests)))
         if self.verdict is None and self.faults.hits("stall", requests):
             time.sleep(self.stall_s)  # a drill: this rank holds its peers inside the gather
@@ -171,8 +174,8 @@ class FlaggedGather:
         t0 = time.perf_counter()
         try:
             self.verdict = consensus.agree(self.group, flags, errors, extra=local, stamp=(self.steps, self.calls))
-        except BaseException as exc:  # an engine that catches it and returns would otherwise be
-            self.gather_error = exc   # answered by an earlier call's verdict, its peers out of step
+        except GroupBroken as exc:  # the collective failed: an engine that catches it and returns would
+            self.gather_error = exc  # otherwise be answered by an earlier call's verdict, its peers out of step
             raise
         self.seconds = time.perf_counter() - t0  # the last call's: the agreement's time, for /metrics
         if self.agreed is not None:

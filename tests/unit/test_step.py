@@ -443,6 +443,31 @@ def test_a_gather_whose_collective_failed_breaks_the_step_even_if_the_engine_swa
     assert s.outputs == [{"o": 1.0}], "the next step starts clean"
 
 
+@pytest.mark.parametrize("rows", ["sparse", "meta"])
+def test_rows_the_gather_cannot_send_are_refused_before_the_call_counts(rows):
+    """Outside attack (session 55): a sparse or meta tensor (a CUDA one likewise) failed inside
+    the collective's preparation and was taken for a failed collective: an engine that caught
+    it and gathered dense rows had its step break the group. It is the caller's mistake, said
+    before anything is sent; the call does not count, so the next one pairs with the peers'."""
+    from mmsched.step.engine_step import FlaggedGather
+
+    class Retrying(Gathering):
+        def step(self, reqs):
+            bad = torch.zeros(len(reqs), 2).to_sparse() if rows == "sparse" else torch.zeros(len(reqs), 2, device="meta")
+            try:
+                self.gather(bad)
+            except ValueError as exc:
+                self.refused = str(exc)
+            return super().step(reqs)
+
+    group = Mirror()
+    gather = FlaggedGather(group, NO_FAULTS, 0.0)
+    engine = Retrying(gather)
+    s = run_engine(group, engine, NO_FAULTS, 0.0, requests("a", "b"), dict, gather)
+    assert "rows must be a dense CPU tensor" in engine.refused and "local.cpu()" in engine.refused
+    assert s.outputs == [{"o": 1.0}, {"o": 3.0}] and (gather.calls, group.calls) == (1, 1)
+
+
 def test_a_step_that_does_not_gather_is_agreed_after_it_and_the_gather_refuses_misuse():
     import torch
 
