@@ -139,15 +139,15 @@ class FlaggedGather:
         self.steps = self.calls = 0  # steps armed so far; gathers in this step
         self.seconds = 0.0
         self.agreed: Callable[[], None] | None = None  # called once, after the step's first gather
-        self.agreed_error: BaseException | None = None  # what it raised: run_engine raises it after the step
-        self.gather_error: BaseException | None = None  # a call's collective raised: the same, whatever the step did
+        # what broke the step (``agreed`` raised, or a call's collective failed): run_engine raises
+        # it after the step, whatever the engine did with it (catching it must not hide it)
+        self.broke: BaseException | None = None
 
     def arm(self, requests: list[EngineRequest], aborted: Callable[[], Mapping[int, str]],
             agreed: Callable[[], None] | None = None) -> None:
         self.steps += 1  # the same count on every rank: every rank runs the same steps
         self.requests, self.aborted, self.failed, self.thread = requests, aborted, {}, threading.get_ident()
-        self.verdict, self.calls, self.agreed, self.agreed_error = None, 0, agreed, None
-        self.gather_error = None
+        self.verdict, self.calls, self.agreed, self.broke = None, 0, agreed, None
 
     def disarm(self) -> consensus.Verdict | None:
         """The step is over: let go of its requests, whose features (1 GiB each, maybe) would
@@ -174,8 +174,12 @@ class FlaggedGather:
         t0 = time.perf_counter()
         try:
             self.verdict = consensus.agree(self.group, flags, errors, extra=local, stamp=(self.steps, self.calls))
-        except GroupBroken as exc:  # the collective failed: an engine that catches it and returns would
-            self.gather_error = exc  # otherwise be answered by an earlier call's verdict, its peers out of step
+        except GroupBroken as exc:  # the collective failed: a step that went on would be answered by an
+            # earlier call's verdict (or the runner's own agreement), its peers out of step
+            if self.broke is None:
+                self.broke = GroupBroken(f"EngineContext.gather failed on rank {self.group.rank} ({describe(exc)}) "
+                                         f"and the step went on: the ranks' gathers may be out of step")
+                self.broke.__cause__ = exc
             raise
         self.seconds = time.perf_counter() - t0  # the last call's: the agreement's time, for /metrics
         if self.agreed is not None:
@@ -183,7 +187,7 @@ class FlaggedGather:
             try:
                 agreed()
             except BaseException as exc:  # noqa: BLE001 - an engine catching it must not hide it
-                self.agreed_error = exc
+                self.broke = self.broke or exc
         return self.verdict.extra.reshape(self.group.world, *local.shape)
 
 
@@ -227,11 +231,8 @@ def run_engine(group, engine: Engine, faults: Faults, stall_s: float, requests: 
         outs, raised = call(engine, requests)
     finally:
         verdict = gather.disarm() if gather is not None else None
-    if gather is not None and gather.agreed_error is not None:
-        raise gather.agreed_error  # publishing the next batches failed: the group is broken
-    if gather is not None and gather.gather_error is not None:
-        raise GroupBroken(f"EngineContext.gather failed on rank {group.rank} ({describe(gather.gather_error)}) "
-                          f"and the step went on: the ranks' gathers may be out of step") from gather.gather_error
+    if gather is not None and gather.broke is not None:
+        raise gather.broke  # publishing the next batches failed, or a gather did: the group is broken
     failures = {j: o for j, o in enumerate(outs) if isinstance(o, Exception)}
     if verdict is not None and raised is not None:  # it may have left its peers inside a later gather
         raise GroupBroken(f"the engine's step raised after EngineContext.gather on rank {group.rank} "
