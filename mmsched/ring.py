@@ -43,6 +43,12 @@ PAYLOAD = SLOT_BYTES - 8
 TICK_S = 0.05                    # how often a wait looks at its deadline and the other side
 MASK = 0xFFFFFFFF
 _LINE = 64
+_PUBLISHED, _LEADER_WAITS = 0, 1  # header words (u32 indices) of line 0
+
+
+def _consumed(r: int) -> int:
+    """Reader r's ``consumed`` word (the first of its line); its finished steps are the next."""
+    return (1 + r) * _LINE // 4
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine(), 202)
@@ -96,8 +102,8 @@ class Ring:
         del anchor  # the address stays valid while the mapping lives; no export is kept
         self._slots = _LINE * (1 + readers)
         self._words = memoryview(self._mm)[: self._slots].cast("I")
-        self._addr = [ctypes.c_void_p(self._base + line * _LINE) for line in range(1 + readers)]
-        self._step_addr = [ctypes.c_void_p(self._base + (1 + r) * _LINE + 4) for r in range(readers)]
+        waited = [_PUBLISHED, *(_consumed(r) + k for r in range(readers) for k in (0, 1))]
+        self._addr = {at: ctypes.c_void_p(self._base + 4 * at) for at in waited}  # the words futexes wait on
         self._count = 0          # chunks written (leader) or read (reader) so far, unwrapped
         self.peers: list[int | None] = []  # the pids waited on: readers (leader), the leader (reader)
 
@@ -144,10 +150,9 @@ class Ring:
 
     # ------------------------------------------------------------ waiting
 
-    def _wait(self, line: int, until, who: str, word: int = 0) -> None:
-        """Sleep on a header word (``word`` of ``line``) until ``until(value)``; GroupBroken past
-        the deadline or if a peer died."""
-        at, addr = line * _LINE // 4 + word, self._addr[line] if word == 0 else self._step_addr[line - 1]
+    def _wait(self, at: int, until, who: str) -> None:
+        """Sleep on header word ``at`` until ``until(value)``; GroupBroken past the deadline or if a peer died."""
+        addr = self._addr[at]
         seen = self._words[at]
         if until(seen):
             return
@@ -170,7 +175,7 @@ class Ring:
     def has_room(self, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` fits in the slots every reader has read: ``write``
         would not wait (only this writer fills slots; readers only free them)."""
-        behind = max((self._count - self._words[(1 + r) * _LINE // 4]) & MASK for r in range(self.readers))
+        behind = max((self._count - self._words[_consumed(r)]) & MASK for r in range(self.readers))
         return SLOTS - behind >= max(1, -(-nbytes // PAYLOAD))
 
     def write(self, msg) -> None:
@@ -180,19 +185,19 @@ class Ring:
         while True:
             c = self._count
             for r in range(self.readers):
-                if (c - self._words[(1 + r) * _LINE // 4]) & MASK >= SLOTS:
-                    self._words[1] = 1  # readers wake us only while this is set
+                if (c - self._words[_consumed(r)]) & MASK >= SLOTS:
+                    self._words[_LEADER_WAITS] = 1  # readers wake us only while this is set
                     try:
-                        self._wait(1 + r, lambda v: (c - v) & MASK < SLOTS, f"ring reader {r}")
+                        self._wait(_consumed(r), lambda v: (c - v) & MASK < SLOTS, f"ring reader {r}")
                     finally:
-                        self._words[1] = 0
+                        self._words[_LEADER_WAITS] = 0
             at = self._slots + (c % SLOTS) * SLOT_BYTES
             k = min(n - off, PAYLOAD)
             struct.pack_into("<II", self._mm, at, n, k)
             self._mm[at + 8: at + 8 + k] = view[off: off + k]
             self._count = c + 1
-            self._words[0] = self._count & MASK
-            _futex_wake(self._addr[0])
+            self._words[_PUBLISHED] = self._count & MASK
+            _futex_wake(self._addr[_PUBLISHED])
             off += k
             if off >= n:
                 return
@@ -202,29 +207,29 @@ class Ring:
         as an error should name them, their ranks)."""
         for r in range(self.readers):
             who = names[r] if names else f"ring reader {r}"
-            self._wait(1 + r, lambda v: v == steps & MASK, f"{who} (engine step {steps})", word=1)
+            self._wait(_consumed(r) + 1, lambda v: v == steps & MASK, f"{who} (engine step {steps})")
 
     # ------------------------------------------------------------ reader
 
     def report_step(self, steps: int) -> None:
         """Engine step ``steps`` is over here (the leader may be waiting for it)."""
-        self._words[(1 + self.index) * _LINE // 4 + 1] = steps & MASK
-        _futex_wake(self._step_addr[self.index])
+        at = _consumed(self.index) + 1
+        self._words[at] = steps & MASK
+        _futex_wake(self._addr[at])
 
     def read(self) -> bytes:
         """The next message, copied out of the ring (its slots are free again on return)."""
-        line, parts, got = 1 + self.index, [], 0
-        at_me = line * _LINE // 4
+        parts, got, at_me = [], 0, _consumed(self.index)
         while True:
             c = self._count
-            self._wait(0, lambda v: v != c & MASK, "the leader")
+            self._wait(_PUBLISHED, lambda v: v != c & MASK, "the leader")
             at = self._slots + (c % SLOTS) * SLOT_BYTES
             n, k = struct.unpack_from("<II", self._mm, at)
             parts.append(self._mm[at + 8: at + 8 + k])
             got += k
             self._count = c + 1
             self._words[at_me] = self._count & MASK
-            if self._words[1]:  # the leader waits for a slot (rarely: the ring was full)
-                _futex_wake(self._addr[line])
+            if self._words[_LEADER_WAITS]:  # the leader waits for a slot (rarely: the ring was full)
+                _futex_wake(self._addr[at_me])
             if got >= n:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
