@@ -126,6 +126,7 @@ class BatchRunner:
                 marks.update({j: "late" for j, i in enumerate(live) if j not in marks and self.is_aborted(reqs[i])})
             return marks
 
+        self.group.step_begins()  # the leader hears of the step's end from ranks off the ring
         s = run_engine(self.group, self.engine, self.faults, self.stall_s,
                        engine_requests(reqs, m.tensors, live), aborted, self.gather, self.agreed)
         self.counters.failures["engine"] += s.failures

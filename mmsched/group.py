@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .errors import GroupBroken
 from .ring import Ring
+from .step_reports import StepReports
 
 
 class SoloGroup:
@@ -34,6 +35,9 @@ class SoloGroup:
 
     def all_gather_object(self, obj: Any) -> list:
         return [obj]
+
+    def step_begins(self) -> None:
+        pass  # no peer to hear from
 
     def step_done(self, steps: int, gathered: bool) -> None:
         pass  # no peer to wait for
@@ -67,14 +71,21 @@ class GlooGroup(SubGroup):
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         super().__init__(dist.group.WORLD, rank, world)  # the whole (default) group
+        self._reports = StepReports(self.pg, rank, list(range(1, world)))  # (unused inside a RingGroup)
 
     def broadcast(self, payload: bytes | None) -> memoryview:
         """Leader passes bytes, followers None; everyone gets the leader's bytes."""
         return broadcast_bytes(payload, None)
 
+    def step_begins(self) -> None:
+        self._reports.begin()
+
     def step_done(self, steps: int, gathered: bool) -> None:
-        """Without the batch ring nothing tells the leader a follower's step is over (it would
-        cost a collective a batch): docs/engines.md says what a rank gathering more then risks."""
+        """Engine step ``steps`` is over on this rank; where its agreement rode in the step's last
+        ``ctx.gather`` (``gathered``), the leader waits for each follower's word that its step is
+        over too, here a gloo message (``mmsched.step_reports`` says why)."""
+        if gathered:
+            self._reports.done(steps)
 
     def close(self) -> None:
         try:
@@ -128,6 +139,8 @@ class RingGroup:
         self._local_names = [f"rank {r}" for r in local]
         remote = [r for r in range(1, self.world) if hosts[r] != hosts[0]]
         self._remote = dist.new_group([0, *remote], backend="gloo") if remote else None  # every rank calls it
+        self._reports = StepReports(self._remote, [0, *remote].index(self.rank), remote) \
+            if remote and (self.rank == 0 or self.rank in remote) else None  # ranks the ring does not reach
         self.ring: Ring | None = None
         if self.rank == 0 and local:
             self.ring = Ring.create(f"{prefix}{os.getpid()}_ring_{uuid.uuid4().hex[:8]}", len(local), timeout_s)
@@ -186,13 +199,18 @@ class RingGroup:
         follower still gathering (a call more than rank 0) would otherwise have a failure it
         names there missed and a 200 sent. Those calls pair one to one up to rank 0's last
         (each carries its (step, call) stamp), so a follower whose step is over made as many.
-        Ranks on other hosts are not asked (a collective a batch)."""
-        if self.ring is None:
-            return
-        if self.rank != 0:
-            self.ring.report_step(steps)
-        elif gathered:  # else the runner agreed after the step, when every rank had finished it
-            self.ring.wait_steps(steps, self._local_names)
+        Ranks on other hosts say so by a gloo message (``mmsched.step_reports``)."""
+        if self.ring is not None:
+            if self.rank != 0:
+                self.ring.report_step(steps)
+            elif gathered:  # else the runner agreed after the step, when every rank had finished it
+                self.ring.wait_steps(steps, self._local_names)
+        if self._reports is not None and gathered:
+            self._reports.done(steps)
+
+    def step_begins(self) -> None:
+        if self._reports is not None:
+            self._reports.begin()
 
     def close(self) -> None:
         if self.ring is not None:

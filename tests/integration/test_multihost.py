@@ -137,20 +137,21 @@ class TwoHosts:
     """Node 0 (1 rank: the leader) on this host; node 1 (``node1_procs`` ranks) in a mount
     namespace with its own /dev/shm. Each torchrun leads its own process group."""
 
-    def __init__(self, tmp: str, node1_procs: int = 1, admin: int | None = None):
+    def __init__(self, tmp: str, node1_procs: int = 1, admin: int | None = None, args: tuple = (),
+                 env: dict | None = None):
         self.addr = f"ipc:///tmp/mmsched-mh-{uuid.uuid4().hex[:10]}.sock"
         self.ls_path = os.path.join(tmp, "node1-dev-shm.txt")
         self.rc_path = os.path.join(tmp, "node1-rc.txt")
-        env = {k: v for k, v in os.environ.items()
+        extra_env, env = env, {k: v for k, v in os.environ.items()
                if not k.startswith(("MMSCHED_", "TORCHELASTIC_"))
                and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+        env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **(extra_env or {}))
         port = free_port()
 
         def torchrun(node: int, procs: int) -> list[str]:
             return [TORCHRUN, "--nnodes", "2", "--nproc-per-node", str(procs), "--node-rank", str(node),
                     "--master-addr", "127.0.0.1", "--master-port", str(port),
-                    "-m", "mmsched", "serve", "--frontend", self.addr, *FAULTS]
+                    "-m", "mmsched", "serve", "--frontend", self.addr, *FAULTS, *args]
 
         admin_args = ["--admin", str(admin)] if admin else []
         self.logs_at = [os.path.join(tmp, "node0.log"), os.path.join(tmp, "node1.log")]
@@ -449,5 +450,35 @@ async def test_three_ranks_on_two_hosts_bytes_cross_once_per_host(tmp_path):
 
         g.stop()
         assert_stopped_cleanly(g)
+    finally:
+        g.kill()
+
+
+# ---------------------------------------------------------------- an engine out of step on the remote host
+
+async def test_a_remote_rank_gathering_once_more_than_the_leader_lets_no_200_out(tmp_path):
+    """The remote rank's engine calls ``ctx.gather`` once more than rank 0's (tests/integration/
+    gathering_engine.py, ``extra_r1``): rank 0 waits for that rank's word that its step is over
+    (a gloo message: no batch ring reaches another host), which never comes; the group breaks
+    at ``collective_timeout`` and the step's request is a 500, not a 200 from rank 0's last call."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    g = TwoHosts(str(tmp_path), args=("--engine", "gathering_engine:GatheringEngine", "--collective-timeout", "2"),
+                 env={"PYTHONPATH": here})
+    try:
+        g.wait_ready()
+        async with Client(g.addr) as c:
+            fine = await c.request("generate", [1], rid="fine", timeout=30)
+            results = [fine]
+            for i in range(3):
+                fut = c.send_request("generate", [i], rid=f"extra-{i}", params={"mode": "extra_r1"})
+                results.append(await c.wait(f"extra-{i}", fut, 30))
+        assert fine.status == 200, fine  # an even step is answered as ever, through the remote word
+        statuses = [r.status for r in results[1:]]
+        assert 200 not in statuses and 500 in statuses, results
+        assert all("broken" in r.message for r in results[1:] if r.status == 500), results
+        assert g.node0.wait(30) != 0, g.all_logs()
+        g.node1.wait(30)
+        assert "group_broken" in g.logs(0), g.all_logs()
+        assert g.node1_leftovers() == [], f"left in node 1's /dev/shm: {g.node1_leftovers()}"
     finally:
         g.kill()

@@ -41,8 +41,11 @@ class CountingGroup:
     def all_gather_object(self, obj):
         return self._count("all_gather_object", obj)
 
-    def step_done(self, steps, gathered):
-        return self.inner.step_done(steps, gathered)  # no collective: a word in the batch ring, if any
+    def step_begins(self):
+        return self.inner.step_begins()
+
+    def step_done(self, steps, gathered):  # no collective: a word in the batch ring, or (here, no
+        return self.inner.step_done(steps, gathered)  # ring) one point-to-point message a follower
 
 
 def _batches():
