@@ -11,12 +11,11 @@ without feature items skips the materialization consensus: a text-only batch pay
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 
 import numpy as np
 
-from ..conftest import free_port
+from ..conftest import two_ranks
 
 TEXT_ONLY = 2  # the broadcast + the engine's gather carrying the agreement (3 before EngineContext.gather)
 
@@ -99,19 +98,7 @@ def _rank(rank: int, port: int, out) -> None:
 
 
 def test_a_text_only_batch_pays_one_all_gather_the_agreement_riding_in_the_engines():
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        reports = dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    reports = dict(two_ranks(_rank))
     for rank, report in reports.items():
         total, counts, _ = report["text"]  # the agreement rides in the engine's gather, on its group
         assert total == TEXT_ONLY and counts == {"broadcast": 1, "engine.all_gather": 1}, (rank, counts)

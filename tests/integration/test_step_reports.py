@@ -4,11 +4,10 @@ reports, is ``GroupBroken`` naming the rank, within the group's timeout, never a
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 
-from ..conftest import free_port
+from ..conftest import two_ranks
 
 
 def _rank(rank: int, port: int, out) -> None:
@@ -39,19 +38,7 @@ def _rank(rank: int, port: int, out) -> None:
 
 
 def test_the_leader_hears_each_step_end_and_breaks_on_a_wrong_or_missing_one():
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        leader = out.get(timeout=100)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    [leader] = two_ranks(_rank, answers=1, timeout=100)
     assert leader[:2] == [(1, "ok"), (2, "ok")], leader
     assert leader[2][0] == 3 and leader[2][1] == "rank 1 ended engine step 7 where rank 0 ended 3", leader
     step, why, seconds = leader[3]
