@@ -29,7 +29,7 @@ class StepReports:
         """``pg``: a gloo group of the leader (its rank 0) and ``followers`` (global ranks: its
         ranks 1, 2, ... in order); ``me``: this rank's place in ``pg``."""
         self.pg, self.me, self.followers = pg, me, followers
-        self._words = [torch.zeros(1, dtype=torch.int64) for _ in (followers if me == 0 else [me])]
+        self._words = [torch.zeros(1, dtype=torch.int64) for _ in range(len(followers) if me == 0 else 1)]
         self._posted: list | None = None  # the leader's receives, posted and not yet waited for
 
     def begin(self) -> None:

@@ -142,10 +142,10 @@ class TwoHosts:
         self.addr = f"ipc:///tmp/mmsched-mh-{uuid.uuid4().hex[:10]}.sock"
         self.ls_path = os.path.join(tmp, "node1-dev-shm.txt")
         self.rc_path = os.path.join(tmp, "node1-rc.txt")
-        extra_env, env = env, {k: v for k, v in os.environ.items()
-               if not k.startswith(("MMSCHED_", "TORCHELASTIC_"))
-               and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **(extra_env or {}))
+        run_env = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("MMSCHED_", "TORCHELASTIC_"))
+                   and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        run_env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **(env or {}))
         port = free_port()
 
         def torchrun(node: int, procs: int) -> list[str]:
@@ -156,14 +156,14 @@ class TwoHosts:
         admin_args = ["--admin", str(admin)] if admin else []
         self.logs_at = [os.path.join(tmp, "node0.log"), os.path.join(tmp, "node1.log")]
         self._files = [open(p, "wb") for p in self.logs_at]
-        self.node0 = subprocess.Popen(torchrun(0, 1) + admin_args, env=env, stdout=self._files[0],
+        self.node0 = subprocess.Popen(torchrun(0, 1) + admin_args, env=run_env, stdout=self._files[0],
                                       stderr=subprocess.STDOUT, start_new_session=True)
         # No `exec`: the shell outlives torchrun to record its exit code and what the
         # namespace's /dev/shm still holds (the tmpfs vanishes with the namespace).
         script = (f"mount -t tmpfs -o size=256m tmpfs /dev/shm || exit 97; "
                   f"{shlex.join(torchrun(1, node1_procs))}; echo $? > {shlex.quote(self.rc_path)}; "
                   f"ls -A /dev/shm > {shlex.quote(self.ls_path)}")
-        self.node1 = subprocess.Popen([*NAMESPACE, "sh", "-c", script], env=env, stdout=self._files[1],
+        self.node1 = subprocess.Popen([*NAMESPACE, "sh", "-c", script], env=run_env, stdout=self._files[1],
                                       stderr=subprocess.STDOUT, start_new_session=True)
 
     def logs(self, node: int) -> str:
