@@ -9,8 +9,8 @@ still in a call never sends: the leader's lane passes its deadline (or gloo's ti
 group breaks, the step's requests 500s.
 
 The leader posts its receives before the engine runs (``begin``). Posted as it came to wait,
-each report cost the step ~0.9 ms here (tp=2, ``--no-batch-ring``, plain client: p50 at
-1000 req/s 1.0 -> 1.9 ms); posted early, nothing above the noise (1.06 against 1.01 ms, and
+each report cost the step ~0.7-0.9 ms here (tp=2, ``--no-batch-ring``, plain client: p50 at
+1000 req/s 1.01 -> 1.71 and 1.09 -> 1.99 ms); posted early, nothing above the noise (1.06 against 1.01 ms, and
 2.59 against 2.62 ms at 6000 req/s). On two hosts (tests/integration/test_multihost.py's
 layout) ~0.1 ms a batch: one request at a time, p50 1.20 against 1.10 ms.
 """
