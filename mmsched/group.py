@@ -10,6 +10,7 @@ runs on the lane thread only.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import uuid
 from typing import Any
@@ -71,11 +72,15 @@ class GlooGroup(SubGroup):
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         super().__init__(dist.group.WORLD, rank, world)  # the whole (default) group
-        self._reports = StepReports(self.pg, rank, list(range(1, world)))  # (unused inside a RingGroup)
 
     def broadcast(self, payload: bytes | None) -> memoryview:
         """Leader passes bytes, followers None; everyone gets the leader's bytes."""
         return broadcast_bytes(payload, None)
+
+    @functools.cached_property
+    def _reports(self) -> StepReports:
+        """Every follower's (made at the first step: a ``RingGroup`` around this group has its own)."""
+        return StepReports(self.pg, self.rank, list(range(1, self.world)))
 
     def step_begins(self) -> None:
         self._reports.begin()

@@ -154,15 +154,15 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
-def two_ranks(target, answers: int = 2, timeout: float = 120) -> list:
-    """Run ``target(rank, port, queue)`` in two spawned rank processes (a gloo group on a free
-    port); the first ``answers`` items they put on the queue. Both are joined (killed if stuck)."""
+def two_ranks(target, *args, answers: int = 2, timeout: float = 120) -> list:
+    """Run ``target(rank, port, queue, *args)`` in two spawned rank processes (a gloo group on a
+    free port); the first ``answers`` items they put on the queue. Both are joined (killed if stuck)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, out, *args)) for r in range(2)]
     for p in procs:
         p.start()
     try:

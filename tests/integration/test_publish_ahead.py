@@ -5,17 +5,16 @@ engine, the leader's ``Publisher`` as the leader uses it."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 
-from ..conftest import free_port
+from ..conftest import two_ranks
 
 RENDER_S = 0.5  # the leader's rendering of the first batch, slowed: the follower must not wait for it
 BIG = 1 << 20  # an inline feature bigger than the whole ring (8 slots of 64 KiB)
 
 
-def _rank(rank: int, port: int, ahead: bool, out, big: bool = False) -> None:
+def _rank(rank: int, port: int, out, ahead: bool, big: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     import msgpack
 
@@ -95,19 +94,7 @@ def _rank(rank: int, port: int, ahead: bool, out, big: bool = False) -> None:
 
 
 def _run(ahead: bool, big: bool = False) -> dict:
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, ahead, out, big)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        return dict(out.get(timeout=120) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    return dict(two_ranks(_rank, ahead, big))
 
 
 def test_the_follower_starts_the_next_batch_while_the_leader_renders_the_last():
