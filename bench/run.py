@@ -21,7 +21,9 @@
    our load generator): text-only throughput with 256 in flight, and p50/p99 in an open
    loop at 1000 req/s, each against the bare ROUTER; then the same open loops against
    bench/floor_server.py, a tp=2 server that does only what every tp=2 batch must (a
-   ROUTER and one gloo all-gather a batch): a floor row beside the tp=2 latency targets.
+   ROUTER and one gloo all-gather a batch): a floor row beside the tp=2 latency targets;
+   and mmsched at tp=2 serving bench/gather_engine.py (no arithmetic, one ``ctx.gather`` a
+   step) at tp2's half rate and at half its own maximum: the scheduler's share of those rows.
    Its half-maximum runs also print where the server's CPU went, per rank and thread role
    (bench/thread_cpu.py, from /proc: the profile behind a missed latency row, at no cost).
 
@@ -132,12 +134,14 @@ class Proc:
             self.proc.wait()
 
 
+SERVE = ["-m", "mmsched", "serve", "--shm-prefix", PREFIX, "--sweep-interval", "0"]
+
+
 def start_servers(log_dir: str) -> dict[str, Proc]:
-    serve = ["-m", "mmsched", "serve", "--shm-prefix", PREFIX, "--sweep-interval", "0"]
     procs = {"bare": Proc("bare", [os.path.join(HERE, "bare_router.py"), "--shm-prefix", PREFIX,
                                    "--max-seconds", "900"], log_dir),
-             "tp1": Proc("tp1", serve, log_dir),
-             "tp2": Proc("tp2", [*serve, "--tp", "2"], log_dir)}
+             "tp1": Proc("tp1", SERVE, log_dir),
+             "tp2": Proc("tp2", [*SERVE, "--tp", "2"], log_dir)}
     for p in procs.values():
         p.wait_ready()
     return procs
@@ -243,6 +247,7 @@ def sync_client(procs: dict[str, Proc], quick: bool, log_dir: str) -> dict:
                   f"the client used {h['ours']['client_cores']:.2f} cores); where the server's CPU went: "
                   f"{thread_cpu.line(cpu)}", file=sys.stderr, flush=True)
     out["floor"] = _floor(out, secs, log_dir)
+    out["gather_only"] = _gather_only(out, secs, log_dir)
     return out
 
 
@@ -263,6 +268,34 @@ def _floor(out: dict, secs: float, log_dir: str) -> dict:
         floor.stop()
     print("  floor server (tp=2): " + ", ".join(f"@ {k} req/s p50 {_ms(v['p50_ms'])} p99 {_ms(v['p99_ms'])} ms"
                                                 for k, v in got.items()), file=sys.stderr, flush=True)
+    return got
+
+
+def _gather_only(out: dict, secs: float, log_dir: str) -> dict:
+    """mmsched at tp=2 serving bench/gather_engine.py (no arithmetic, the step's one all-gather):
+    its closed loop, then p50/p99 at tp2's half rate and at half its own maximum. Beside the
+    tp=2 rows, the same minutes: the scheduler's share of them; the rest is the reference
+    engine's numpy and torch on rank 0's CPU."""
+    import sync_client as sc
+
+    proc = Proc("tp2-gather", [*SERVE, "--tp", "2", "--engine", "bench.gather_engine:GatherEngine"], log_dir)
+    try:
+        proc.wait_ready()
+        sc.closed(proc.addr, 0.5)  # warm-up
+        closed = sc.closed(proc.addr, secs)
+        runs = [(out["half"]["tp2"]["rate"], False)] if "tp2" in out["half"] else []
+        runs += [(0.5 * closed["rate"], True)] if closed["rate"] > 0 else []
+        got = {"closed": closed, "open": [{"rate": rate, "own_half": own, "result": sc.open_loop(proc.addr, rate, secs)}
+                                          for rate, own in runs]}
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"  gather-only engine: {exc}", file=sys.stderr, flush=True)
+        return {}
+    finally:
+        proc.stop()
+    print(f"  tp=2 with the gather-only engine: closed {closed['rate']:.0f} req/s; " + ", ".join(
+        f"@ {o['rate']:.0f} req/s p50 {_ms(o['result']['p50_ms'])} p99 {_ms(o['result']['p99_ms'])} ms"
+        for o in got["open"]),
+        file=sys.stderr, flush=True)
     return got
 
 
@@ -389,6 +422,7 @@ def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: d
                          "ours": _ms(f[q + "_ms"]) + " ms", "ceiling": "-", "ratio": None, "target": None,
                          "ceiling_name": "ROUTER + one gloo all-gather a batch (bench/floor_server.py)",
                          "verdict": ""})
+    _gather_only_rows(rows, (sync or {}).get("gather_only", {}))
     for f in cons.get("floors", []):  # what no batch at tp > 1 can beat: beside the latency targets
         for q in ("p50", "p99"):
             rows.append({"section": "floor", "case": f"tp={f['tp']} one all-gather of one flag, {q}, 1 ms apart",
@@ -410,6 +444,22 @@ def table(mat: list[dict], tput: list[dict], lat: list[dict], cons: dict, rem: d
         lines.append(f"{r['section']:<12} {r['case']:<{w}} {r['ours']:>14} {r['ceiling']:>14} {ratio:>7} "
                      f"{target:>8}  {r['ceiling_name']}{'  ' + r['verdict'] if r['verdict'] else ''}")
     return "\n".join(lines), rows
+
+
+def _gather_only_rows(rows: list[dict], got: dict) -> None:
+    """The tp=2 server with the gather-only engine, no verdict: the scheduler's share of the
+    tp=2 rows above it (the same client, rates and minutes)."""
+    def row(case: str, ours: str) -> None:
+        rows.append({"section": "floor", "case": f"tp=2 gather-only engine, {case}", "ours": ours, "ceiling": "-",
+                     "ratio": None, "target": None, "verdict": "",
+                     "ceiling_name": "mmsched, no engine arithmetic (bench/gather_engine.py)"})
+
+    if got.get("closed"):
+        row("throughput (256 in flight)", f"{got['closed']['rate']:.0f} req/s")
+    for o in got.get("open", []):
+        for q in ("p50", "p99"):
+            row(f"{q} open loop @ {o['rate']:.0f} req/s{' (0.5 x its max)' if o['own_half'] else ''}",
+                _ms(o["result"][q + "_ms"]) + " ms")
 
 
 def main(argv: list[str] | None = None) -> int:

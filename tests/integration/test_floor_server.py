@@ -4,6 +4,7 @@ flatter itself), and killing it leaves no rank behind."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -45,3 +46,22 @@ def test_the_floor_server_answers_each_request_and_leaves_no_rank_behind(tmp_pat
     while _procs_of(addr) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _procs_of(addr), "rank 1 outlived rank 0"
+
+
+async def test_the_gather_only_engine_answers_every_request_at_tp2(tmp_path):
+    """bench/gather_engine.py, which ``make bench`` serves beside the reference engine: each rank
+    passes the step's gather, and every request gets a 200 (an embedding of one zero; a
+    ``generate`` no tokens), none lost or mixed up."""
+    from mmsched.client import Client
+
+    from ..conftest import Server
+
+    with Server("--tp", "2", "--engine", "bench.gather_engine:GatherEngine", tmp_dir=str(tmp_path),
+                env={"PYTHONPATH": ROOT}) as srv:
+        async with Client(srv.addr) as client:
+            rids = [f"g{i}" for i in range(40)]
+            got = await asyncio.gather(*(client.request("embed" if i % 4 else "generate", [i, 1, 2], rid=rid)
+                                         for i, rid in enumerate(rids)))
+    assert [r.rid for r in got] == rids and {r.status for r in got} == {200}
+    assert all(r.output == ({"embedding": bytes(4), "dim": 1} if i % 4 else {"output_ids": []})
+               for i, r in enumerate(got))

@@ -58,3 +58,18 @@ def test_the_floor_servers_rows_stand_beside_the_targets_without_a_verdict():
                      "tp=2 floor server, p99 open loop @ 1000 req/s": ("3.40 ms", None, ""),
                      "tp=2 floor server, p50 open loop @ 10165 req/s": ("0.83 ms", None, ""),
                      "tp=2 floor server, p99 open loop @ 10165 req/s": ("3.60 ms", None, "")}
+
+
+def test_the_gather_only_engines_rows_stand_beside_the_tp2_rows_without_a_verdict():
+    bench = load_bench_run()
+    sync = {"closed": {}, "open": {}, "half": {},
+            "gather_only": {"closed": {"rate": 30000.0}, "open": [
+                {"rate": 11000.0, "own_half": False, "result": sync_run(1.8, 4.1)},
+                {"rate": 15000.0, "own_half": True, "result": sync_run(2.1, 4.9)}]}}
+    _, rows = bench.table([], [], [], {}, {}, sync)
+    got = {r["case"]: (r["ours"], r["target"], r["verdict"]) for r in rows if "gather-only" in r["case"]}
+    assert got == {"tp=2 gather-only engine, throughput (256 in flight)": ("30000 req/s", None, ""),
+                   "tp=2 gather-only engine, p50 open loop @ 11000 req/s": ("1.80 ms", None, ""),
+                   "tp=2 gather-only engine, p99 open loop @ 11000 req/s": ("4.10 ms", None, ""),
+                   "tp=2 gather-only engine, p50 open loop @ 15000 req/s (0.5 x its max)": ("2.10 ms", None, ""),
+                   "tp=2 gather-only engine, p99 open loop @ 15000 req/s (0.5 x its max)": ("4.90 ms", None, "")}
