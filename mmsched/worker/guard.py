@@ -5,15 +5,22 @@ and a handler runs only once the headers are in), so a client sending headers a 
 time held a connection as long as it liked, and a hundred such connections never counted
 against ``--max-concurrency``. The guard wraps aiohttp's protocol factory: a connection
 past ``max_connections`` is answered 503 and closed, and one whose first request has not
-reached a handler within ``header_timeout`` is closed.
+reached a handler within ``header_timeout`` is closed. At the bound, the connection that has
+waited longest for its first request's headers is closed to make room (an outside attack held
+the admin endpoint's 64 places with half-sent headers, renewed every 8 s, and every health
+probe was told 503); only when every open connection is past its headers is the new one
+refused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 from aiohttp import web
+
+from ..log import sampled_event
 
 
 class Guard:
@@ -22,14 +29,19 @@ class Guard:
     def __init__(self, max_connections: int, header_timeout: float, who: str = "worker"):
         self.server: web.Server | None = None  # the runner's, once it is set up
         self.busy = json.dumps({"error": {"message": f"{who} busy: too many open connections", "code": 503}}).encode()
-        self.max_connections, self.header_timeout = max_connections, header_timeout
-        self.waiting: set = set()  # connections whose first request has not reached a handler
+        self.max_connections, self.header_timeout, self.who = max_connections, header_timeout, who
+        # connections whose first request has not reached a handler, oldest first (a dict: ordered)
+        self.waiting: dict = {}
 
     def __call__(self) -> asyncio.Protocol:
         if self._num_open() >= self.max_connections:
-            return _Refuse(self.busy)
+            cut = self._cut_oldest_waiting()
+            sampled_event(f"{self.who}_connections_full", logging.WARNING, limit=self.max_connections,
+                          action="cut_oldest_without_headers" if cut else "refused")
+            if not cut:  # every place is a request being served
+                return _Refuse(self.busy)
         proto = self.server()
-        self.waiting.add(proto)
+        self.waiting[proto] = None
         asyncio.get_running_loop().call_later(self.header_timeout, self._expire, proto)
         return proto
 
@@ -38,14 +50,24 @@ class Guard:
         loop turns after the peer saw the close: a client that reconnected at once was told 503."""
         return sum(1 for proto in self.server.connections if proto.connected)
 
+    def _cut_oldest_waiting(self) -> bool:
+        """Close the open connection that has waited longest for its headers; False if none
+        waits (its place is the new one's, though it counts as open a few loop turns more)."""
+        while self.waiting:
+            oldest = next(iter(self.waiting))
+            del self.waiting[oldest]
+            if oldest.connected:  # (one its client closed frees no place)
+                oldest.force_close()
+                return True
+        return False
+
     def _expire(self, proto) -> None:
-        if proto in self.waiting:
-            self.waiting.discard(proto)
+        if self.waiting.pop(proto, False) is None:
             proto.force_close()
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
-        self.waiting.discard(request.protocol)
+        self.waiting.pop(request.protocol, None)
         return await handler(request)
 
 

@@ -244,21 +244,25 @@ def test_user_text_that_looks_like_special_tokens_is_plain_text(stack):
     assert status == 200, body
 
 
-def test_slow_headers_are_cut_off_and_open_connections_are_bounded(stack):
+def test_slow_headers_are_cut_off_and_cannot_keep_callers_out(stack):
+    """Half-sent headers on every place (--max-connections 8) keep no caller out: the one
+    waiting longest is closed to make room (an outside attack renewed such connections before
+    the deadline and held the admin endpoint, which uses the same guard, at 503); the rest are
+    cut at the header deadline. A bound full of requests being served still refuses one more
+    (tests/unit/test_guard.py)."""
     port = stack[1][1].port  # --max-connections 8 --header-timeout 3
     loris = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
     try:
         for s in loris:
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
-        with socket.create_connection(("127.0.0.1", port)) as ninth:
-            ninth.settimeout(10)
-            reply = ninth.recv(4096)
-        assert reply.startswith(b"HTTP/1.1 503") and b"too many open connections" in reply, reply
-        for s in loris:  # cut at the header deadline: the server closes them
+        time.sleep(0.5)  # all eight accepted: the bound is full
+        status, body = post(port, chat(png()))
+        assert status == 200, body
+        loris[0].settimeout(5)
+        assert loris[0].recv(4096) == b""  # the oldest made room
+        for s in loris[1:]:  # cut at the header deadline: the server closes them
             s.settimeout(15)
             assert s.recv(4096) == b""
-        status, body = post(port, chat(png()))
-        assert status == 200, body  # room again (the body says which 503 it was)
     finally:
         for s in loris:
             s.close()

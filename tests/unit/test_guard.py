@@ -1,5 +1,7 @@
-"""The worker's connection guard on a real aiohttp server on 127.0.0.1: a connection cut at the
-header deadline frees its place at once, so the next client is served, not told 503."""
+"""The connection guard (the HTTP worker's and the admin endpoint's) on a real aiohttp server on
+127.0.0.1: a connection cut at the header deadline frees its place at once; at the bound, the
+connection waiting longest for its headers makes room for a new one, and only a bound full of
+requests being served refuses it."""
 
 from __future__ import annotations
 
@@ -49,6 +51,81 @@ async def cut_and_come_again():
         assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"ok"), reply
         for _, w in [*loris, (reader, writer)]:
             w.close()
+    finally:
+        site.close()
+        await runner.cleanup()
+
+
+def test_half_sent_headers_at_the_bound_make_room_for_the_next_caller():
+    uvloop.run(loris_then_caller())
+
+
+def test_a_bound_full_of_requests_being_served_refuses_the_next_one():
+    uvloop.run(served_then_refused())
+
+
+async def serve(guard: Guard, handler=ok):
+    app = web.Application(middlewares=[guard.middleware])
+    app.router.add_get("/", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    guard.server = runner.server
+    site = await asyncio.get_running_loop().create_server(guard, "127.0.0.1", 0)
+    return runner, site, site.sockets[0].getsockname()[1]
+
+
+async def get(port: int) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    try:
+        return await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+
+
+async def loris_then_caller():
+    """An outside attack held the admin endpoint's places with half-sent headers, renewed before
+    the deadline, and every health probe was told 503 for as long as it liked."""
+    guard = Guard(max_connections=2, header_timeout=30)
+    runner, site, port = await serve(guard)
+    loris = []
+    try:
+        loris += [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        for _, writer in loris:
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        async with asyncio.timeout(5):
+            while len(guard.waiting) < 2:
+                await asyncio.sleep(0.01)
+        for _ in range(3):  # each caller in turn, the bound full of half-sent headers every time
+            reply = await get(port)
+            assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"ok"), reply
+        assert await asyncio.wait_for(loris[0][0].read(), 5) == b""  # the oldest made room
+    finally:
+        for _, w in loris:
+            w.close()
+        site.close()
+        await runner.cleanup()
+
+
+async def served_then_refused():
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response(text="ok")
+
+    guard = Guard(max_connections=2, header_timeout=30)
+    runner, site, port = await serve(guard, slow)
+    try:
+        served = [asyncio.create_task(get(port)) for _ in range(2)]
+        async with asyncio.timeout(5):
+            while guard.waiting or sum(p.connected for p in guard.server.connections) < 2:
+                await asyncio.sleep(0.01)
+        reply = await get(port)
+        assert reply.startswith(b"HTTP/1.1 503") and b"too many open connections" in reply, reply
+        release.set()
+        for reply in await asyncio.gather(*served):  # neither was cut for the third
+            assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"ok"), reply
     finally:
         site.close()
         await runner.cleanup()
