@@ -17,7 +17,8 @@ sizes, and its fault, if any:
   requests too); without one such a request is simply served (200).
 - client faults (``missing``, ``too_small``, ``bad_name``): an shm item naming a segment
   that does not exist (500), a segment smaller than the item says (500; mmsched unlinks
-  it), or a name without the prefix (400; nothing is created).
+  it; refused with a 400 instead, under a prefix the server does not serve, the load
+  generator unlinks it), or a name without the prefix (400; nothing is created).
 - ``abort``: an abort sent right after the request (499, or 200 when the result won).
 
 With ``session_turns`` T > 1 every session sends T turns one after another: the first

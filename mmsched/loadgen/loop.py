@@ -74,8 +74,8 @@ class Run(Watch):
             if seg is not None:
                 seg.discard()
             raise
-        if seg is not None:
-            seg.sent()  # ownership passed to mmsched (contract guarantee 4)
+        if seg is not None:  # locked until its result, as the client library keeps its own segments
+            fut.add_done_callback(lambda f, seg=seg: _hand_over(seg, f))
         self._track(rid, "ref" if feats and feats[0].transport == "session" else transport, fault, sess, fut, want)
         return True
 
@@ -227,3 +227,14 @@ class Run(Watch):
                 due = self.t0 + i / rate
             await asyncio.sleep(0.01 if self.paused else 0)  # let results in between bursts
         self.stop_sending()
+
+
+def _hand_over(seg, fut: asyncio.Future) -> None:
+    """A too-small segment's result is in: from the send on it was mmsched's (contract guarantee
+    4), unless mmsched refused the request with a 400, which unlinks what it took first: a
+    segment of ours still there then is one it never took (the wrong ``shm_prefix``, say), ours
+    to unlink, as the client library unlinks its own (docs/protocol.md, Segment ownership)."""
+    if not fut.cancelled() and fut.exception() is None and fut.result().status == 400:
+        seg.discard()
+    else:
+        seg.sent()

@@ -67,6 +67,26 @@ async def test_counts_match_server_metrics_with_a_fault_mix(start_server):
     assert all(r[5] is not None and r[6] is not None and r[6] >= r[5] for r in rows)
 
 
+async def test_a_generator_given_a_prefix_the_server_does_not_serve_leaves_nothing_behind(start_server):
+    """Every request naming a segment is then a 400 (the server takes no segment outside its
+    prefix) and the generator unlinks its own: an outside attack found each too-small segment
+    of --client-faults left in /dev/shm (20 of 20)."""
+    srv = start_server()  # serving the tests' prefix, mmsched_
+    spec = LoadSpec(frontend=srv.addr, concurrency=8, requests=120, duration=60, drain_s=20, items=1,
+                    item_bytes=[512], transports=["shm"], client_faults=0.6, seed=3, shm_prefix="mmschedlg_")
+    try:
+        report = await loadgen.run(spec)
+        by = report.summary["by_fault"]
+        assert set(by["too_small"]) == {"400"} and set(by["none"]) == {"400"}, by
+        assert report.summary["lost"] == 0
+        assert report.segments["leaked"] == [], report.segments
+    finally:
+        left = loadgen.list_segments("mmschedlg_")
+        for name in left:  # (this prefix is not the autouse check's: clean up what a failure left)
+            os.unlink(f"/dev/shm/{name}")
+    assert not left, left
+
+
 async def test_sessions_open_loop_tp2_rank1_faults(start_server):
     """tp=2, open loop, 3-turn sessions (refs after the first turn), rank 1 failing ``fail-*`` rids."""
     port = free_port()
