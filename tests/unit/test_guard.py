@@ -23,13 +23,7 @@ def test_a_connection_cut_at_the_header_deadline_frees_its_place_at_once():
 
 async def cut_and_come_again():
     guard = Guard(max_connections=2, header_timeout=30)
-    app = web.Application(middlewares=[guard.middleware])
-    app.router.add_get("/", ok)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    guard.server = runner.server
-    site = await asyncio.get_running_loop().create_server(guard, "127.0.0.1", 0)
-    port = site.sockets[0].getsockname()[1]
+    runner, site, port = await serve(guard)
     try:
         loris = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         for _, writer in loris:
