@@ -58,7 +58,7 @@ class Config:
     fault: list = _opt([], "inject failures: RANK:STAGE:RID_GLOB (stages: open materialize release engine stall hold corrupt)")
     batch_ring: bool = _opt(True, "same-host followers take batches from a shared-memory ring instead of a gloo broadcast")
     stall_s: float = _opt(3.0, "seconds a 'stall' (engine) or 'hold' (materialize) fault holds its rank", 0, 3600)
-    session_idle_timeout: float = _opt(600.0, "seconds a session may sit unused before its features are released", 0.001, 1e9)
+    session_idle_timeout: float = _opt(600.0, "seconds a session may sit unused (no turn run, none queued or running) before its features are released", 0.001, 1e9)
     session_max_bytes: int = _opt(1 << 30, "most feature bytes all sessions together may hold; beyond it, 503", 0, 1 << 42)
     session_max_count: int = _opt(16384, "most sessions open at once, all clients; a turn that would open one more gets 503", 0, 1 << 30)
     session_max_features: int = _opt(65536, "most features all sessions together may hold, zero-size ones too; beyond it, 503", 0, 1 << 30)

@@ -168,6 +168,9 @@ class Admission:
         if now - self._idle_checked >= self.IDLE_CHECK_S:  # sessions idle past their timeout close in-stream
             self._idle_checked = now
             expired = self.sessions.idle(self.cfg.session_idle_timeout, now)
+            if expired:  # not one with a turn queued or running: that turn would find it gone
+                used = {r.session_id for r in (*self.queue.values(), *self.inflight.values())}
+                expired = [sid for sid in expired if sid not in used]
             if expired:
                 event("sessions_expired", count=len(expired))
                 batch.closes.extend(expired)

@@ -179,6 +179,24 @@ def test_stats_are_gathered_every_two_seconds_and_idle_sessions_close_in_stream(
     assert c.next_batch(1e9).closes == ["idle-one"]
 
 
+def test_a_session_with_a_turn_queued_or_running_is_not_idle_however_long_it_waits():
+    """An outside attack (a tp=2 group slowed by hold drills, a 3 s idle timeout): turns
+    admitted while their session held the feature they named got a 500 `holds no feature`,
+    the session expiring while they waited."""
+    c = core(session_idle_timeout=5.0, max_batch=1)
+    c.sessions.put(scoped(A, "chat"), {"img": torch.zeros(4, dtype=torch.uint8)})
+    ref = Item(0, "image", "session", "uint8", (4,), 4, ref="img")
+    assert isinstance(c.admit(req("t1", items=[ref], session="chat")), Accept)
+    assert isinstance(c.admit(req("t2", items=[ref], session="chat")), Accept)
+    first = c.next_batch(1e9)  # t1 runs, t2 waits in the queue: neither lets the session expire
+    assert [r.rid for r in first.requests] == ["t1"] and first.closes == []
+    c.finish(first, [ok(200)])
+    second = c.next_batch(2e9)  # t2 running, the queue empty
+    assert [r.rid for r in second.requests] == ["t2"] and second.closes == []
+    c.finish(second, [ok(200)])
+    assert c.next_batch(3e9).closes == [scoped(A, "chat")]  # no turn left: idle, it goes
+
+
 def test_finish_answers_each_request_once_and_frees_what_it_held():
     c = core()
     c.admit(req("r1", items=[item(10)]))
