@@ -6,21 +6,30 @@ time held a connection as long as it liked, and a hundred such connections never
 against ``--max-concurrency``. The guard wraps aiohttp's protocol factory: a connection
 past ``max_connections`` is answered 503 and closed, and one whose first request has not
 reached a handler within ``header_timeout`` is closed. At the bound, the connection that has
-waited longest for its first request's headers is closed to make room (an outside attack held
-the admin endpoint's 64 places with half-sent headers, renewed every 8 s, and every health
-probe was told 503); only when every open connection is past its headers is the new one
-refused.
+waited longest for its first request's headers is closed to make room, if it has had its
+chance: open EVICTABLE_AFTER_S or more, with nothing unread in its socket (an outside attack
+held the admin endpoint's 64 places with half-sent headers, renewed every 8 s, and every
+health probe was told 503; a burst of callers is accepted in one loop turn before any is read,
+and cutting the oldest of those cut complete requests without a reply). Otherwise the new
+connection is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
+import struct
+import termios
+import time
 
 from aiohttp import web
 
 from ..log import sampled_event
+
+
+EVICTABLE_AFTER_S = 0.25  # a younger connection may not have been read yet
 
 
 class Guard:
@@ -30,7 +39,7 @@ class Guard:
         self.server: web.Server | None = None  # the runner's, once it is set up
         self.busy = json.dumps({"error": {"message": f"{who} busy: too many open connections", "code": 503}}).encode()
         self.max_connections, self.header_timeout, self.who = max_connections, header_timeout, who
-        # connections whose first request has not reached a handler, oldest first (a dict: ordered)
+        # connections whose first request has not reached a handler -> when accepted, oldest first
         self.waiting: dict = {}
 
     def __call__(self) -> asyncio.Protocol:
@@ -41,7 +50,7 @@ class Guard:
             if not cut:  # every place is a request being served
                 return _Refuse(self.busy)
         proto = self.server()
-        self.waiting[proto] = None
+        self.waiting[proto] = time.monotonic()
         asyncio.get_running_loop().call_later(self.header_timeout, self._expire, proto)
         return proto
 
@@ -51,18 +60,23 @@ class Guard:
         return sum(1 for proto in self.server.connections if proto.connected)
 
     def _cut_oldest_waiting(self) -> bool:
-        """Close the open connection that has waited longest for its headers; False if none
-        waits (its place is the new one's, though it counts as open a few loop turns more)."""
-        while self.waiting:
-            oldest = next(iter(self.waiting))
-            del self.waiting[oldest]
-            if oldest.connected:  # (one its client closed frees no place)
-                oldest.force_close()
+        """Close the connection that has waited longest for its headers and had its chance to
+        send them; False if none has (its place is the new one's, though it counts as open a
+        few loop turns more)."""
+        now = time.monotonic()
+        for proto, since in list(self.waiting.items()):
+            if now - since < EVICTABLE_AFTER_S:
+                return False  # and the rest are younger still
+            if not proto.connected:  # its client closed it: it frees no place
+                del self.waiting[proto]
+            elif not _unread(proto):
+                del self.waiting[proto]
+                proto.force_close()
                 return True
         return False
 
     def _expire(self, proto) -> None:
-        if self.waiting.pop(proto, False) is None:
+        if self.waiting.pop(proto, None) is not None:
             proto.force_close()
 
     @web.middleware
@@ -72,7 +86,11 @@ class Guard:
 
 
 class _Refuse(asyncio.Protocol):
-    """A connection over the bound: one JSON 503, then closed."""
+    """A connection over the bound: one JSON 503, then closed once what the caller sent is read
+    (closed with its request unread, the kernel resets the connection and the 503 may be lost),
+    or after REFUSED_LINGER_S at most: a flood of refused connections holds few descriptors."""
+
+    REFUSED_LINGER_S = 0.1
 
     def __init__(self, busy: bytes):
         self.busy = busy
@@ -80,4 +98,21 @@ class _Refuse(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(self.busy), self.busy))
-        transport.close()
+        if transport.can_write_eof():
+            transport.write_eof()  # the caller reads the 503 to its end
+        asyncio.get_running_loop().call_later(self.REFUSED_LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # read and dropped, so the close is a clean one
+
+    def eof_received(self) -> bool:
+        return False  # the caller is done: close now
+
+
+def _unread(proto) -> bool:
+    """Whether bytes wait in the connection's socket that the loop has not read yet."""
+    try:
+        fd = proto.transport.get_extra_info("socket").fileno()
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0] > 0
+    except (AttributeError, OSError, ValueError):  # no transport or socket any more
+        return False

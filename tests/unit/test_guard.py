@@ -6,11 +6,13 @@ requests being served refuses it."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 
 import uvloop
 from aiohttp import web
 
-from mmsched.worker.guard import Guard
+from mmsched.worker.guard import EVICTABLE_AFTER_S, Guard
 
 
 async def ok(request: web.Request) -> web.Response:
@@ -54,6 +56,36 @@ def test_half_sent_headers_at_the_bound_make_room_for_the_next_caller():
     uvloop.run(loris_then_caller())
 
 
+def test_a_burst_of_complete_requests_past_the_bound_gets_503s_not_cut_connections():
+    uvloop.run(burst())
+
+
+async def burst():
+    """The second attack on the change above: a burst of callers is accepted in one loop turn,
+    before any of them is read, and the first callers were cut without a reply (70 of 150)."""
+    guard = Guard(max_connections=2, header_timeout=30)
+    runner, site, port = await serve(guard)
+
+    def callers() -> list[bytes]:
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
+        for s in socks:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        try:
+            return [b"".join(iter(lambda s=s: s.recv(4096), b"")) for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+
+    try:
+        replies = asyncio.get_running_loop().run_in_executor(None, callers)
+        time.sleep(0.5)  # the loop held: all four connect and send before it accepts any
+        got = [r[:12] for r in await replies]
+        assert got == [b"HTTP/1.1 200"] * 2 + [b"HTTP/1.1 503"] * 2, got
+    finally:
+        site.close()
+        await runner.cleanup()
+
+
 def test_a_bound_full_of_requests_being_served_refuses_the_next_one():
     uvloop.run(served_then_refused())
 
@@ -90,6 +122,7 @@ async def loris_then_caller():
         async with asyncio.timeout(5):
             while len(guard.waiting) < 2:
                 await asyncio.sleep(0.01)
+        await asyncio.sleep(EVICTABLE_AFTER_S)  # they have had their chance
         for _ in range(3):  # each caller in turn, the bound full of half-sent headers every time
             reply = await get(port)
             assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"ok"), reply
