@@ -29,7 +29,7 @@ from aiohttp import web
 from ..log import sampled_event
 
 
-EVICTABLE_AFTER_S = 0.25  # a younger connection may not have been read yet
+EVICTABLE_AFTER_S = 0.05  # a younger connection may not have been read yet (its request may be in flight)
 
 
 class Guard:
