@@ -47,7 +47,7 @@ class Guard:
             cut = self._cut_oldest_waiting()
             sampled_event(f"{self.who}_connections_full", logging.WARNING, limit=self.max_connections,
                           action="cut_oldest_without_headers" if cut else "refused")
-            if not cut:  # every place is a request being served
+            if not cut:  # none waiting has had its chance to send its headers
                 return _Refuse(self.busy)
         proto = self.server()
         self.waiting[proto] = time.monotonic()
