@@ -251,23 +251,30 @@ def sync_client(procs: dict[str, Proc], quick: bool, log_dir: str) -> dict:
     return out
 
 
-def _floor(out: dict, secs: float, log_dir: str) -> dict:
-    """The floor server's p50/p99 at SYNC_RATE and at tp2's half rate, started only for them
-    (its ranks would take CPU from the other runs)."""
-    import sync_client as sc
-
-    floor = Proc("floor", [os.path.join(HERE, "floor_server.py")], log_dir)
+def _served(name: str, argv: list[str], log_dir: str, measure) -> dict:
+    """``measure(addr)`` against a server started only for it (its ranks would take CPU from the
+    other runs); {} where it did not start, and why, on stderr."""
+    proc = Proc(name, argv, log_dir)
     try:
-        floor.wait_ready()
-        rates = [SYNC_RATE] + ([out["half"]["tp2"]["rate"]] if "tp2" in out["half"] else [])
-        got = {f"{rate:.0f}": sc.open_loop(floor.addr, rate, secs) for rate in rates}
+        proc.wait_ready()
+        return measure(proc.addr)
     except (RuntimeError, TimeoutError) as exc:
-        print(f"  floor server: {exc}", file=sys.stderr, flush=True)
+        print(f"  {name}: {exc}", file=sys.stderr, flush=True)
         return {}
     finally:
-        floor.stop()
-    print("  floor server (tp=2): " + ", ".join(f"@ {k} req/s p50 {_ms(v['p50_ms'])} p99 {_ms(v['p99_ms'])} ms"
-                                                for k, v in got.items()), file=sys.stderr, flush=True)
+        proc.stop()
+
+
+def _floor(out: dict, secs: float, log_dir: str) -> dict:
+    """The floor server's p50/p99 at SYNC_RATE and at tp2's half rate."""
+    import sync_client as sc
+
+    rates = [SYNC_RATE] + ([out["half"]["tp2"]["rate"]] if "tp2" in out["half"] else [])
+    got = _served("floor", [os.path.join(HERE, "floor_server.py")], log_dir,
+                  lambda addr: {f"{rate:.0f}": sc.open_loop(addr, rate, secs) for rate in rates})
+    if got:
+        print("  floor server (tp=2): " + ", ".join(f"@ {k} req/s p50 {_ms(v['p50_ms'])} p99 {_ms(v['p99_ms'])} ms"
+                                                    for k, v in got.items()), file=sys.stderr, flush=True)
     return got
 
 
@@ -278,24 +285,20 @@ def _gather_only(out: dict, secs: float, log_dir: str) -> dict:
     engine's numpy and torch on rank 0's CPU."""
     import sync_client as sc
 
-    proc = Proc("tp2-gather", [*SERVE, "--tp", "2", "--engine", "bench.gather_engine:GatherEngine"], log_dir)
-    try:
-        proc.wait_ready()
-        sc.closed(proc.addr, 0.5)  # warm-up
-        closed = sc.closed(proc.addr, secs)
+    def measure(addr: str) -> dict:
+        sc.closed(addr, 0.5)  # warm-up
+        closed = sc.closed(addr, secs)
         runs = [(out["half"]["tp2"]["rate"], False)] if "tp2" in out["half"] else []
         runs += [(0.5 * closed["rate"], True)] if closed["rate"] > 0 else []
-        got = {"closed": closed, "open": [{"rate": rate, "own_half": own, "result": sc.open_loop(proc.addr, rate, secs)}
-                                          for rate, own in runs]}
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"  gather-only engine: {exc}", file=sys.stderr, flush=True)
-        return {}
-    finally:
-        proc.stop()
-    print(f"  tp=2 with the gather-only engine: closed {closed['rate']:.0f} req/s; " + ", ".join(
-        f"@ {o['rate']:.0f} req/s p50 {_ms(o['result']['p50_ms'])} p99 {_ms(o['result']['p99_ms'])} ms"
-        for o in got["open"]),
-        file=sys.stderr, flush=True)
+        return {"closed": closed, "open": [{"rate": rate, "own_half": own, "result": sc.open_loop(addr, rate, secs)}
+                                           for rate, own in runs]}
+
+    got = _served("tp2-gather", [*SERVE, "--tp", "2", "--engine", "bench.gather_engine:GatherEngine"], log_dir,
+                  measure)
+    if got:
+        print(f"  tp=2 with the gather-only engine: closed {got['closed']['rate']:.0f} req/s; " + ", ".join(
+            f"@ {o['rate']:.0f} req/s p50 {_ms(o['result']['p50_ms'])} p99 {_ms(o['result']['p99_ms'])} ms"
+            for o in got["open"]), file=sys.stderr, flush=True)
     return got
 
 

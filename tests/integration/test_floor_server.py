@@ -11,6 +11,10 @@ import sys
 import time
 import uuid
 
+from mmsched.client import Client
+
+from ..conftest import Server
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -52,10 +56,6 @@ async def test_the_gather_only_engine_answers_every_request_at_tp2(tmp_path):
     """bench/gather_engine.py, which ``make bench`` serves beside the reference engine: each rank
     passes the step's gather, and every request gets a 200 (an embedding of one zero; a
     ``generate`` no tokens), none lost or mixed up."""
-    from mmsched.client import Client
-
-    from ..conftest import Server
-
     with Server("--tp", "2", "--engine", "bench.gather_engine:GatherEngine", tmp_dir=str(tmp_path),
                 env={"PYTHONPATH": ROOT}) as srv:
         async with Client(srv.addr) as client:
