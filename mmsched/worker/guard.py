@@ -10,8 +10,11 @@ waited longest for its first request's headers is closed to make room, if it has
 chance: open EVICTABLE_AFTER_S or more, with nothing unread in its socket (an outside attack
 held the admin endpoint's 64 places with half-sent headers, renewed every 8 s, and every
 health probe was told 503; a burst of callers is accepted in one loop turn before any is read,
-and cutting the oldest of those cut complete requests without a reply). Otherwise the new
-connection is refused.
+and cutting the oldest of those cut complete requests without a reply). Failing that, the
+keep-alive connection idle longest between its requests is closed, as nginx closes idle
+keep-alive connections when it runs out of them (callers keeping every place alive kept every
+new caller at 503), if it has been idle EVICTABLE_AFTER_S or more, with its last response sent
+and nothing unread. Otherwise the new connection is refused.
 """
 
 from __future__ import annotations
@@ -41,13 +44,16 @@ class Guard:
         self.max_connections, self.header_timeout, self.who = max_connections, header_timeout, who
         # connections whose first request has not reached a handler -> when accepted, oldest first
         self.waiting: dict = {}
+        # connections between requests (a handler has returned) -> since when, longest idle first
+        self.idle: dict = {}
 
     def __call__(self) -> asyncio.Protocol:
         if self._num_open() >= self.max_connections:
-            cut = self._cut_oldest_waiting()
-            sampled_event(f"{self.who}_connections_full", logging.WARNING, limit=self.max_connections,
-                          action="cut_oldest_without_headers" if cut else "refused")
-            if not cut:  # none waiting has had its chance to send its headers
+            now = time.monotonic()
+            action = ("cut_oldest_without_headers" if _cut_oldest(self.waiting, now)
+                      else "cut_longest_idle" if _cut_oldest(self.idle, now) else "refused")
+            sampled_event(f"{self.who}_connections_full", logging.WARNING, limit=self.max_connections, action=action)
+            if action == "refused":  # none waiting or idle has had its chance
                 return _Refuse(self.busy)
         proto = self.server()
         self.waiting[proto] = time.monotonic()
@@ -59,30 +65,22 @@ class Guard:
         loop turns after the peer saw the close: a client that reconnected at once was told 503."""
         return sum(1 for proto in self.server.connections if proto.connected)
 
-    def _cut_oldest_waiting(self) -> bool:
-        """Close the connection that has waited longest for its headers and had its chance to
-        send them; False if none has (its place is the new one's, though it counts as open a
-        few loop turns more)."""
-        now = time.monotonic()
-        for proto, since in list(self.waiting.items()):
-            if now - since < EVICTABLE_AFTER_S:
-                return False  # and the rest are younger still
-            if not proto.connected:  # its client closed it: it frees no place
-                del self.waiting[proto]
-            elif not _unread(proto):
-                del self.waiting[proto]
-                proto.force_close()
-                return True
-        return False
-
     def _expire(self, proto) -> None:
         if self.waiting.pop(proto, None) is not None:
             proto.force_close()
 
     @web.middleware
     async def middleware(self, request: web.Request, handler):
-        self.waiting.pop(request.protocol, None)
-        return await handler(request)
+        proto = request.protocol
+        self.waiting.pop(proto, None)
+        self.idle.pop(proto, None)
+        try:
+            return await handler(request)
+        finally:  # its response goes out now; then, kept alive, it waits for its next request
+            if proto.connected:
+                self.idle[proto] = time.monotonic()
+            if len(self.idle) > self.max_connections:  # entries of connections closed while idle
+                self.idle = {p: t for p, t in self.idle.items() if p.connected}
 
 
 class _Refuse(asyncio.Protocol):
@@ -107,6 +105,30 @@ class _Refuse(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         return False  # the caller is done: close now
+
+
+def _cut_oldest(since: dict, now: float) -> bool:
+    """Close the oldest connection in ``since`` (proto -> when it began to wait, oldest first)
+    that has had its chance: waiting EVICTABLE_AFTER_S or more, its writes sent, nothing
+    unread. False if none has (a closed one frees no place: it is dropped; a place cut is the
+    new connection's, though it counts as open a few loop turns more)."""
+    for proto, at in list(since.items()):
+        if now - at < EVICTABLE_AFTER_S:
+            return False  # and the rest are younger still
+        if not proto.connected:  # its client closed it
+            del since[proto]
+        elif not _unread(proto) and _sent(proto):
+            del since[proto]
+            proto.force_close()
+            return True
+    return False
+
+
+def _sent(proto) -> bool:
+    """Whether everything written to the connection has gone to its socket (a response still
+    going out is not cut)."""
+    transport = proto.transport
+    return transport is not None and transport.get_write_buffer_size() == 0
 
 
 def _unread(proto) -> bool:

@@ -100,9 +100,9 @@ async def serve(guard: Guard, handler=ok):
     return runner, site, site.sockets[0].getsockname()[1]
 
 
-async def get(port: int) -> bytes:
+async def get(port: int, path: str = "/") -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    writer.write(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
     try:
         return await asyncio.wait_for(reader.read(), 5)
     finally:
@@ -154,5 +154,55 @@ async def served_then_refused():
         for reply in await asyncio.gather(*served):  # neither was cut for the third
             assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"ok"), reply
     finally:
+        site.close()
+        await runner.cleanup()
+
+
+def test_keep_alive_connections_idle_between_requests_make_room_for_a_new_caller():
+    uvloop.run(keep_alive_then_caller())
+
+
+async def keep_alive_then_caller():
+    """The second attack's residual: callers keeping every place with keep-alive connections,
+    idle between their requests, kept every new caller at 503 until `--header-timeout`. At the
+    bound the one idle longest is closed (as nginx closes idle keep-alive connections); one
+    whose request is still being served is not."""
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.Response(text="slow")
+
+    guard = Guard(max_connections=3, header_timeout=30)
+    app = web.Application(middlewares=[guard.middleware])
+    app.router.add_get("/", ok)
+    app.router.add_get("/slow", slow)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    guard.server = runner.server
+    site = await asyncio.get_running_loop().create_server(guard, "127.0.0.1", 0)
+    port = site.sockets[0].getsockname()[1]
+    kept = []
+    try:
+        busy = asyncio.create_task(get(port, "/slow"))  # a request in progress holds its place
+        for _ in range(2):  # two callers that keep their connections alive after a request
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await asyncio.wait_for(reader.readuntil(b"ok"), 5)).startswith(b"HTTP/1.1 200")
+            kept.append((reader, writer))
+        await asyncio.sleep(EVICTABLE_AFTER_S)  # idle long enough to be cut
+        reply = await get(port)
+        assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"ok"), reply
+        assert await asyncio.wait_for(kept[0][0].read(), 5) == b"", "the longest idle was not the one closed"
+        # the other keep-alive caller still has its connection, and it still serves
+        kept[1][1].write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(kept[1][0].readuntil(b"ok"), 5)).startswith(b"HTTP/1.1 200")
+        release.set()
+        reply = await busy
+        assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"slow"), reply
+    finally:
+        release.set()
+        for _, w in kept:
+            w.close()
         site.close()
         await runner.cleanup()
