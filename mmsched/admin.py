@@ -82,7 +82,9 @@ class AdminServer:
         app = web.Application(client_max_size=8192, middlewares=[guard.middleware])
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # lingering_time 0: a body sent with a GET is not read after the answer (aiohttp would for
+        # up to 10 s, and a trickled one held its place that long: an outside attack)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, lingering_time=0)
         await self._runner.setup()
         guard.server = self._runner.server
         try:

@@ -24,9 +24,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pixels", type=float, default=8.0, metavar="MPIX",
                    help="pixels of all a request's images together, in millions (8); 400 beyond")
     p.add_argument("--max-connections", type=int, default=256, metavar="N",
-                   help="open HTTP connections (256); one more gets 503 and is closed")
+                   help="open HTTP connections (256); one more closes one waiting for its first "
+                        "request's headers or idle between requests, else gets 503 and is closed")
     p.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
-                   help="seconds for a connection's request headers to arrive (10); then it is closed")
+                   help="seconds for a connection's request headers to arrive, for an idle keep-alive "
+                        "connection, and for a client that stops reading its responses (10); then it is closed")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="seconds to read a body, and to wait for mmsched (60)")
 
@@ -82,6 +84,7 @@ async def _serve(args: argparse.Namespace) -> int:
             site.close()
             await worker.live.stop()
             await runner.cleanup()
+            event("worker_stopped")
     finally:
         if pool is not None:
             pool.close()

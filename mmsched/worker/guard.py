@@ -13,8 +13,11 @@ health probe was told 503; a burst of callers is accepted in one loop turn befor
 and cutting the oldest of those cut complete requests without a reply). Failing that, the
 keep-alive connection idle longest between its requests is closed, as nginx closes idle
 keep-alive connections when it runs out of them (callers keeping every place alive kept every
-new caller at 503), if it has been idle EVICTABLE_AFTER_S or more, with its last response sent
-and nothing unread. Otherwise the new connection is refused.
+new caller at 503): idle EVICTABLE_AFTER_S or more, its request's body read to the end, its
+response sent, and no byte received since (aiohttp reads a request before its handler runs:
+a test of the socket alone cut complete requests without a reply). Otherwise the new
+connection is refused. And a connection whose client stops reading its responses (writes
+paused) for ``header_timeout`` is closed: nothing else would ever free its place.
 """
 
 from __future__ import annotations
@@ -46,24 +49,44 @@ class Guard:
         self.waiting: dict = {}
         # connections between requests (a handler has returned) -> since when, longest idle first
         self.idle: dict = {}
+        self.heard: dict = {}  # every open connection -> its _Watched (when bytes last came)
 
     def __call__(self) -> asyncio.Protocol:
         if self._num_open() >= self.max_connections:
             now = time.monotonic()
-            action = ("cut_oldest_without_headers" if _cut_oldest(self.waiting, now)
-                      else "cut_longest_idle" if _cut_oldest(self.idle, now) else "refused")
+            action = ("cut_oldest_without_headers" if self._cut_oldest(self.waiting, now)
+                      else "cut_longest_idle" if self._cut_oldest(self.idle, now) else "refused")
             sampled_event(f"{self.who}_connections_full", logging.WARNING, limit=self.max_connections, action=action)
             if action == "refused":  # none waiting or idle has had its chance
                 return _Refuse(self.busy)
         proto = self.server()
         self.waiting[proto] = time.monotonic()
         asyncio.get_running_loop().call_later(self.header_timeout, self._expire, proto)
-        return proto
+        self.heard[proto] = watched = _Watched(proto, self)
+        return watched
 
     def _num_open(self) -> int:
         """aiohttp keeps a closed connection in ``connections`` until its task has ended, a few
         loop turns after the peer saw the close: a client that reconnected at once was told 503."""
         return sum(1 for proto in self.server.connections if proto.connected)
+
+    def _cut_oldest(self, since: dict, now: float) -> bool:
+        """Close the oldest connection in ``since`` (proto -> when it began to wait, oldest first)
+        that has had its chance: waiting EVICTABLE_AFTER_S or more, no request on its way (none
+        of its first request's headers complete; nothing received since it went idle), its
+        writes sent, nothing unread. False if none has (a closed one frees no place: dropped;
+        a place cut is the new connection's, though it counts as open a few loop turns more)."""
+        for proto, at in list(since.items()):
+            if now - at < EVICTABLE_AFTER_S:
+                return False  # and the rest are younger still
+            watched = self.heard.get(proto)
+            if watched is None or not proto.connected:  # its client closed it
+                del since[proto]
+            elif not watched.request_on_its_way(at) and not _unread(proto) and _sent(proto):
+                del since[proto]
+                proto.force_close()
+                return True
+        return False
 
     def _expire(self, proto) -> None:
         if self.waiting.pop(proto, None) is not None:
@@ -77,10 +100,62 @@ class Guard:
         try:
             return await handler(request)
         finally:  # its response goes out now; then, kept alive, it waits for its next request
-            if proto.connected:
+            if proto in self.heard and request.content.is_eof():  # (else aiohttp reads the rest first)
                 self.idle[proto] = time.monotonic()
-            if len(self.idle) > self.max_connections:  # entries of connections closed while idle
-                self.idle = {p: t for p, t in self.idle.items() if p.connected}
+
+
+class _Watched(asyncio.Protocol):
+    """aiohttp's protocol for one connection, as the transport sees it: the same calls, plus
+    when bytes last came (``heard``) and a deadline while the client leaves its responses
+    unread (``pause_writing`` until ``resume_writing``)."""
+
+    def __init__(self, inner, guard: Guard):
+        self.inner, self.guard, self.heard = inner, guard, 0.0
+        self.headers_in, self._tail = False, b""  # the first request's header block has ended
+        self._stalled: asyncio.TimerHandle | None = None
+
+    def request_on_its_way(self, waiting_since: float) -> bool:
+        """Whether a request may be read but not yet handed to its handler (aiohttp reads it,
+        then starts the handler a loop turn or more later): the first request's headers are
+        complete, or bytes came after the connection went idle."""
+        return self.headers_in if self.inner in self.guard.waiting else self.heard > waiting_since
+
+    def connection_made(self, transport) -> None:
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.heard = time.monotonic()
+        if not self.headers_in:  # until the blank line that ends the first request's headers
+            seen = self._tail + data[:65536]
+            self.headers_in = b"\r\n\r\n" in seen or b"\n\n" in seen
+            self._tail = seen[-3:]
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._stalled = asyncio.get_running_loop().call_later(self.guard.header_timeout, self._stop_reading_stalled)
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+        self.inner.resume_writing()
+
+    def _stop_reading_stalled(self) -> None:
+        sampled_event(f"{self.guard.who}_reader_stalled", logging.WARNING, seconds=self.guard.header_timeout)
+        self.inner.force_close()
+
+    def connection_lost(self, exc) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+        g = self.guard
+        g.heard.pop(self.inner, None)
+        g.idle.pop(self.inner, None)
+        g.waiting.pop(self.inner, None)
+        self.inner.connection_lost(exc)
 
 
 class _Refuse(asyncio.Protocol):
@@ -105,23 +180,6 @@ class _Refuse(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         return False  # the caller is done: close now
-
-
-def _cut_oldest(since: dict, now: float) -> bool:
-    """Close the oldest connection in ``since`` (proto -> when it began to wait, oldest first)
-    that has had its chance: waiting EVICTABLE_AFTER_S or more, its writes sent, nothing
-    unread. False if none has (a closed one frees no place: it is dropped; a place cut is the
-    new connection's, though it counts as open a few loop turns more)."""
-    for proto, at in list(since.items()):
-        if now - at < EVICTABLE_AFTER_S:
-            return False  # and the rest are younger still
-        if not proto.connected:  # its client closed it
-            del since[proto]
-        elif not _unread(proto) and _sent(proto):
-            del since[proto]
-            proto.force_close()
-            return True
-    return False
 
 
 def _sent(proto) -> bool:
