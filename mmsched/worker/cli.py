@@ -74,7 +74,10 @@ async def _serve(args: argparse.Namespace) -> int:
             worker = Worker(prep, client, transport=args.transport, max_concurrency=args.max_concurrency,
                             timeout=args.timeout, middlewares=[guard.middleware])
             runner = web.AppRunner(worker.app(int(args.max_body_mb * (1 << 20))), handler_cancellation=True,
-                                   access_log=None, keepalive_timeout=args.header_timeout)
+                                   access_log=None, keepalive_timeout=args.header_timeout,
+                                   # a body no handler read (a GET's; one answered 503 first) is read
+                                   # and dropped so the answer arrives, for this long at most
+                                   lingering_time=args.header_timeout)
             await runner.setup()
             guard.server = runner.server
             site = await asyncio.get_running_loop().create_server(guard, host or "127.0.0.1", int(port))

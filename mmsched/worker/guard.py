@@ -14,10 +14,12 @@ and cutting the oldest of those cut complete requests without a reply). Failing 
 keep-alive connection idle longest between its requests is closed, as nginx closes idle
 keep-alive connections when it runs out of them (callers keeping every place alive kept every
 new caller at 503): idle EVICTABLE_AFTER_S or more, its request's body read to the end, its
-response sent, and no byte received since (aiohttp reads a request before its handler runs:
-a test of the socket alone cut complete requests without a reply). Otherwise the new
-connection is refused. And a connection whose client stops reading its responses (writes
-paused) for ``header_timeout`` is closed: nothing else would ever free its place.
+response sent. Neither kind is cut with a whole request read and not yet handed to its
+handler (aiohttp reads a request a loop turn or more before its handler runs: a test of the
+socket alone cut complete requests without a reply); a request only partly sent is nothing
+owed. Otherwise the new connection is refused. And a connection whose client has not taken one
+byte of its responses (writes paused) for ``header_timeout`` is closed: nothing else would
+ever free its place.
 """
 
 from __future__ import annotations
@@ -72,9 +74,8 @@ class Guard:
 
     def _cut_oldest(self, since: dict, now: float) -> bool:
         """Close the oldest connection in ``since`` (proto -> when it began to wait, oldest first)
-        that has had its chance: waiting EVICTABLE_AFTER_S or more, no request on its way (none
-        of its first request's headers complete; nothing received since it went idle), its
-        writes sent, nothing unread. False if none has (a closed one frees no place: dropped;
+        that has had its chance: waiting EVICTABLE_AFTER_S or more, no request read whole and
+        not yet handled, its writes sent, nothing unread. False if none has (a closed one frees no place: dropped;
         a place cut is the new connection's, though it counts as open a few loop turns more)."""
         for proto, at in list(since.items()):
             if now - at < EVICTABLE_AFTER_S:
@@ -97,6 +98,8 @@ class Guard:
         proto = request.protocol
         self.waiting.pop(proto, None)
         self.idle.pop(proto, None)
+        if (watched := self.heard.get(proto)) is not None:
+            watched.started += 1
         try:
             return await handler(request)
         finally:  # its response goes out now; then, kept alive, it waits for its next request
@@ -111,31 +114,30 @@ class _Watched(asyncio.Protocol):
 
     def __init__(self, inner, guard: Guard):
         self.inner, self.guard, self.heard = inner, guard, 0.0
-        self.headers_in, self._tail = False, b""  # the first request's header block has ended
+        self.started = 0  # requests handed to a handler (the middleware counts them)
         self._stalled: asyncio.TimerHandle | None = None
 
     def request_on_its_way(self, waiting_since: float) -> bool:
-        """Whether a request may be read but not yet handed to its handler (aiohttp reads it,
-        then starts the handler a loop turn or more later): the first request's headers are
-        complete, or bytes came after the connection went idle."""
-        return self.headers_in if self.inner in self.guard.waiting else self.heard > waiting_since
+        """Whether a request has been read whole but not yet handed to its handler: aiohttp
+        parses it, then starts its handler a loop turn or more later (a cut in between lost it
+        without a reply). aiohttp counts the requests it has parsed (``_request_count``, not
+        public: tests/unit/test_guard.py checks it is there); where it is not, any byte since
+        the connection began to wait counts as a request on its way (never cut for it)."""
+        parsed = getattr(self.inner, "_request_count", None)
+        return self.heard > waiting_since if parsed is None else parsed > self.started
 
     def connection_made(self, transport) -> None:
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
         self.heard = time.monotonic()
-        if not self.headers_in:  # until the blank line that ends the first request's headers
-            seen = self._tail + data[:65536]
-            self.headers_in = b"\r\n\r\n" in seen or b"\n\n" in seen
-            self._tail = seen[-3:]
         self.inner.data_received(data)
 
     def eof_received(self):
         return self.inner.eof_received()
 
     def pause_writing(self) -> None:
-        self._stalled = asyncio.get_running_loop().call_later(self.guard.header_timeout, self._stop_reading_stalled)
+        self._watch_unsent(_unsent(self.inner))
         self.inner.pause_writing()
 
     def resume_writing(self) -> None:
@@ -144,9 +146,21 @@ class _Watched(asyncio.Protocol):
             self._stalled = None
         self.inner.resume_writing()
 
-    def _stop_reading_stalled(self) -> None:
+    def _watch_unsent(self, unsent: int) -> None:
+        self._stalled = asyncio.get_running_loop().call_later(self.guard.header_timeout, self._stalled_yet, unsent)
+
+    def _stalled_yet(self, unsent_before: int) -> None:
+        """Writes paused a deadline long: closed if not one byte went to the client meanwhile (a
+        client reading, however slowly, acknowledges bytes: it keeps its connection)."""
+        unsent = _unsent(self.inner)
+        if unsent != unsent_before:
+            self._watch_unsent(unsent)
+            return
         sampled_event(f"{self.guard.who}_reader_stalled", logging.WARNING, seconds=self.guard.header_timeout)
+        transport = self.inner.transport
         self.inner.force_close()
+        if transport is not None:
+            transport.abort()  # its unsent bytes dropped (a close would wait to send them, for good)
 
     def connection_lost(self, exc) -> None:
         if self._stalled is not None:
@@ -187,6 +201,17 @@ def _sent(proto) -> bool:
     going out is not cut)."""
     transport = proto.transport
     return transport is not None and transport.get_write_buffer_size() == 0
+
+
+def _unsent(proto) -> int:
+    """Bytes written to the connection that its client has not acknowledged yet: the
+    transport's buffer and the socket's send queue (``TIOCOUTQ``)."""
+    try:
+        fd = proto.transport.get_extra_info("socket").fileno()
+        queued = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        return proto.transport.get_write_buffer_size() + queued
+    except (AttributeError, OSError, ValueError):  # no transport or socket any more
+        return 0
 
 
 def _unread(proto) -> bool:
