@@ -41,7 +41,7 @@ EVICTABLE_AFTER_S = 0.05  # a younger connection may not have been read yet (its
 
 
 class Guard:
-    """The protocol factory for ``loop.create_server``, plus the middleware that marks headers read."""
+    """The protocol factory for ``loop.create_server``, plus the middleware that marks requests handled."""
 
     def __init__(self, max_connections: int, header_timeout: float, who: str = "worker"):
         self.server: web.Server | None = None  # the runner's, once it is set up
@@ -51,7 +51,7 @@ class Guard:
         self.waiting: dict = {}
         # connections between requests (a handler has returned) -> since when, longest idle first
         self.idle: dict = {}
-        self.heard: dict = {}  # every open connection -> its _Watched (when bytes last came)
+        self.watched: dict = {}  # every open connection -> its _Watched
 
     def __call__(self) -> asyncio.Protocol:
         if self._num_open() >= self.max_connections:
@@ -64,7 +64,7 @@ class Guard:
         proto = self.server()
         self.waiting[proto] = time.monotonic()
         asyncio.get_running_loop().call_later(self.header_timeout, self._expire, proto)
-        self.heard[proto] = watched = _Watched(proto, self)
+        self.watched[proto] = watched = _Watched(proto, self)
         return watched
 
     def _num_open(self) -> int:
@@ -75,12 +75,13 @@ class Guard:
     def _cut_oldest(self, since: dict, now: float) -> bool:
         """Close the oldest connection in ``since`` (proto -> when it began to wait, oldest first)
         that has had its chance: waiting EVICTABLE_AFTER_S or more, no request read whole and
-        not yet handled, its writes sent, nothing unread. False if none has (a closed one frees no place: dropped;
-        a place cut is the new connection's, though it counts as open a few loop turns more)."""
+        not yet handled, its writes sent, nothing unread. False if none has (a closed one frees
+        no place: dropped; a place cut is the new connection's, though it counts as open a few
+        loop turns more)."""
         for proto, at in list(since.items()):
             if now - at < EVICTABLE_AFTER_S:
                 return False  # and the rest are younger still
-            watched = self.heard.get(proto)
+            watched = self.watched.get(proto)
             if watched is None or not proto.connected:  # its client closed it
                 del since[proto]
             elif not watched.request_on_its_way(at) and not _unread(proto) and _sent(proto):
@@ -98,12 +99,12 @@ class Guard:
         proto = request.protocol
         self.waiting.pop(proto, None)
         self.idle.pop(proto, None)
-        if (watched := self.heard.get(proto)) is not None:
+        if (watched := self.watched.get(proto)) is not None:
             watched.started += 1
         try:
             return await handler(request)
         finally:  # its response goes out now; then, kept alive, it waits for its next request
-            if proto in self.heard and request.content.is_eof():  # (else aiohttp reads the rest first)
+            if proto in self.watched and request.content.is_eof():  # (else aiohttp reads the rest first)
                 self.idle[proto] = time.monotonic()
 
 
@@ -166,7 +167,7 @@ class _Watched(asyncio.Protocol):
         if self._stalled is not None:
             self._stalled.cancel()
         g = self.guard
-        g.heard.pop(self.inner, None)
+        g.watched.pop(self.inner, None)
         g.idle.pop(self.inner, None)
         g.waiting.pop(self.inner, None)
         self.inner.connection_lost(exc)
@@ -205,19 +206,21 @@ def _sent(proto) -> bool:
 
 def _unsent(proto) -> int:
     """Bytes written to the connection that its client has not acknowledged yet: the
-    transport's buffer and the socket's send queue (``TIOCOUTQ``)."""
-    try:
-        fd = proto.transport.get_extra_info("socket").fileno()
-        queued = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
-        return proto.transport.get_write_buffer_size() + queued
-    except (AttributeError, OSError, ValueError):  # no transport or socket any more
-        return 0
+    transport's buffer and the socket's send queue."""
+    transport = proto.transport
+    return 0 if transport is None else transport.get_write_buffer_size() + _socket_count(proto, termios.TIOCOUTQ)
 
 
 def _unread(proto) -> bool:
     """Whether bytes wait in the connection's socket that the loop has not read yet."""
+    return _socket_count(proto, termios.FIONREAD) > 0
+
+
+def _socket_count(proto, request: int) -> int:
+    """A byte count the kernel keeps for the connection's socket (FIONREAD, TIOCOUTQ); 0 when
+    the socket is gone."""
     try:
         fd = proto.transport.get_extra_info("socket").fileno()
-        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0] > 0
+        return struct.unpack("i", fcntl.ioctl(fd, request, b"\0\0\0\0"))[0]
     except (AttributeError, OSError, ValueError):  # no transport or socket any more
-        return False
+        return 0
