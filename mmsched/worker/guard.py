@@ -13,8 +13,8 @@ health probe was told 503; a burst of callers is accepted in one loop turn befor
 and cutting the oldest of those cut complete requests without a reply). Failing that, the
 keep-alive connection idle longest between its requests is closed, as nginx closes idle
 keep-alive connections when it runs out of them (callers keeping every place alive kept every
-new caller at 503): idle EVICTABLE_AFTER_S or more, its request's body read to the end, its
-response sent. Neither kind is cut with a whole request read and not yet handed to its
+new caller at 503): idle EVICTABLE_AFTER_S or more (a body its handler left unread may still be
+coming: aiohttp reads and drops it, and nothing is owed), its response sent. Neither kind is cut with a whole request read and not yet handed to its
 handler (aiohttp reads a request a loop turn or more before its handler runs: a test of the
 socket alone cut complete requests without a reply); a request only partly sent is nothing
 owed. Otherwise the new connection is refused. And a connection whose client has not taken one
@@ -104,7 +104,7 @@ class Guard:
         try:
             return await handler(request)
         finally:  # its response goes out now; then, kept alive, it waits for its next request
-            if proto in self.watched and request.content.is_eof():  # (else aiohttp reads the rest first)
+            if proto in self.watched:  # (or aiohttp reads and drops a body the handler left: nothing owed)
                 self.idle[proto] = time.monotonic()
 
 
