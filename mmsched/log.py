@@ -133,6 +133,8 @@ def _client_parse_error(record: logging.LogRecord) -> bool:
     exc = record.exc_info[1] if record.exc_info else None
     cause = exc.__cause__ if isinstance(exc, RequestPayloadError) else exc  # a body, logged again after its 400
     if isinstance(cause, HttpProcessingError) and 400 <= (cause.code or 0) < 500:
-        sampled_event("bad_http_request", peer=record.args[0] if record.args else None, error=describe(exc))
+        error = describe(exc)  # it may quote what the client sent: half a megabyte, in an outside attack
+        sampled_event("bad_http_request", peer=record.args[0] if record.args else None,
+                      error=error if len(error) <= 300 else error[:300] + " [truncated]")
         return False
     return True
