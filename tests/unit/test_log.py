@@ -56,3 +56,20 @@ def test_a_400_without_mm_items_skips_the_lenient_walk_and_one_with_them_does_no
     assert unpack_lenient(text) == {"mm_items": []}
     named = msgpack.packb({"v": 9, "mm_items": [{"transport": "shm", "shm_name": "mmsched_x1"}]})
     assert owned_segments(unpack_lenient(named), "mmsched_") == ["mmsched_x1"]
+
+
+def test_http_aiohttp_cannot_parse_is_one_short_line_whatever_the_client_sent(monkeypatch):
+    """An outside attack made aiohttp quote half a megabyte of what it sent in each 400's error:
+    the line that stands for it keeps 300 characters of it."""
+    from aiohttp.http_exceptions import BadHttpMethod
+
+    lines = []
+    monkeypatch.setattr(log, "event", lambda name, level=logging.INFO, **f: lines.append((name, f)))
+    monkeypatch.setattr(log, "_sampled", {})
+    exc = BadHttpMethod("x" * 500_000)
+    record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request from %s",
+                               ("127.0.0.1",), (type(exc), exc, None))
+    assert log._client_parse_error(record) is False  # not logged as aiohttp's error
+    (name, fields), = lines
+    assert name == "bad_http_request" and fields["peer"] == "127.0.0.1"
+    assert len(fields["error"]) <= 320 and fields["error"].endswith("[truncated]"), len(fields["error"])
