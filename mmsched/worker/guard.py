@@ -13,13 +13,13 @@ health probe was told 503; a burst of callers is accepted in one loop turn befor
 and cutting the oldest of those cut complete requests without a reply). Failing that, the
 keep-alive connection idle longest between its requests is closed, as nginx closes idle
 keep-alive connections when it runs out of them (callers keeping every place alive kept every
-new caller at 503): idle EVICTABLE_AFTER_S or more (a body its handler left unread may still be
-coming: aiohttp reads and drops it, and nothing is owed), its response sent. Neither kind is cut with a whole request read and not yet handed to its
-handler (aiohttp reads a request a loop turn or more before its handler runs: a test of the
-socket alone cut complete requests without a reply); a request only partly sent is nothing
-owed. Otherwise the new connection is refused. And a connection whose client has not taken one
-byte of its responses (writes paused) for ``header_timeout`` is closed: nothing else would
-ever free its place.
+new caller at 503): idle EVICTABLE_AFTER_S or more, its response sent (a body its handler left
+unread may still be coming: aiohttp reads and drops it, and nothing is owed). Neither kind is
+cut with a whole request read and not yet handed to its handler (aiohttp reads a request a
+loop turn or more before its handler runs: a test of the socket alone cut complete requests
+without a reply); a request only partly sent is nothing owed. Otherwise the new connection is
+refused. And a connection whose client has not taken one byte of its responses (writes paused)
+for ``header_timeout`` is closed: nothing else would ever free its place.
 """
 
 from __future__ import annotations
@@ -81,12 +81,11 @@ class Guard:
         for proto, at in list(since.items()):
             if now - at < EVICTABLE_AFTER_S:
                 return False  # and the rest are younger still
-            watched = self.watched.get(proto)
-            if watched is None or not proto.connected:  # its client closed it
+            if not proto.connected:  # its client closed it
                 del since[proto]
-            elif not watched.request_on_its_way(at) and not _unread(proto) and _sent(proto):
+            elif not self.watched[proto].request_on_its_way() and not _unread(proto) and _sent(proto):
                 del since[proto]
-                watched.cut()
+                self.watched[proto].cut()
                 return True
         return False
 
@@ -111,23 +110,22 @@ class Guard:
 
 class _Watched(asyncio.Protocol):
     """aiohttp's protocol for one connection, as the transport sees it: the same calls, plus
-    when bytes last came (``heard``) and a deadline while the client leaves its responses
-    unread (``pause_writing`` until ``resume_writing``)."""
+    a deadline while the client leaves its responses unread (``pause_writing`` until
+    ``resume_writing``)."""
 
     def __init__(self, inner, guard: Guard):
-        self.inner, self.guard, self.heard = inner, guard, 0.0
+        self.inner, self.guard = inner, guard
         self.started = 0  # requests handed to a handler (the middleware counts them)
         self.body = None  # the last request's body while aiohttp reads and drops what its handler left
         self._stalled: asyncio.TimerHandle | None = None
 
-    def request_on_its_way(self, waiting_since: float) -> bool:
+    def request_on_its_way(self) -> bool:
         """Whether a request has been read whole but not yet handed to its handler: aiohttp
         parses it, then starts its handler a loop turn or more later (a cut in between lost it
         without a reply). aiohttp counts the requests it has parsed (``_request_count``, not
-        public: tests/unit/test_guard.py checks it is there); where it is not, any byte since
-        the connection began to wait counts as a request on its way (never cut for it)."""
-        parsed = getattr(self.inner, "_request_count", None)
-        return self.heard > waiting_since if parsed is None else parsed > self.started
+        public: tests/unit/test_guard.py checks it is there); where it is not, every connection
+        counts as having one (never cut: safe, only less room for newcomers)."""
+        return getattr(self.inner, "_request_count", float("inf")) > self.started
 
     def cut(self) -> None:
         """Close it for a newcomer. A body aiohttp is reading and dropping is ended first: its
@@ -141,7 +139,6 @@ class _Watched(asyncio.Protocol):
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        self.heard = time.monotonic()
         self.inner.data_received(data)
 
     def eof_received(self):

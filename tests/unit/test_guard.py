@@ -25,7 +25,7 @@ def test_a_connection_cut_at_the_header_deadline_frees_its_place_at_once():
 
 async def cut_and_come_again():
     guard = Guard(max_connections=2, header_timeout=30)
-    runner, site, port = await serve(guard)
+    port, stop = await serve(guard)
     try:
         loris = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
         for _, writer in loris:
@@ -48,8 +48,7 @@ async def cut_and_come_again():
         for _, w in [*loris, (reader, writer)]:
             w.close()
     finally:
-        site.close()
-        await runner.cleanup()
+        await stop()
 
 
 def test_half_sent_headers_at_the_bound_make_room_for_the_next_caller():
@@ -64,7 +63,7 @@ async def burst():
     """The second attack on the change above: a burst of callers is accepted in one loop turn,
     before any of them is read, and the first callers were cut without a reply (70 of 150)."""
     guard = Guard(max_connections=2, header_timeout=30)
-    runner, site, port = await serve(guard)
+    port, stop = await serve(guard)
 
     def callers() -> list[bytes]:
         socks = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
@@ -82,8 +81,7 @@ async def burst():
         got = [r[:12] for r in await replies]
         assert got == [b"HTTP/1.1 200"] * 2 + [b"HTTP/1.1 503"] * 2, got
     finally:
-        site.close()
-        await runner.cleanup()
+        await stop()
 
 
 def test_a_bound_full_of_requests_being_served_refuses_the_next_one():
@@ -91,6 +89,7 @@ def test_a_bound_full_of_requests_being_served_refuses_the_next_one():
 
 
 async def serve(guard: Guard, handler=ok, slow=None, **runner_options):
+    """A real aiohttp server behind ``guard`` on 127.0.0.1: its port, and the coroutine that stops it."""
     app = web.Application(middlewares=[guard.middleware])
     app.router.add_get("/", handler)
     if slow is not None:
@@ -99,7 +98,12 @@ async def serve(guard: Guard, handler=ok, slow=None, **runner_options):
     await runner.setup()
     guard.server = runner.server
     site = await asyncio.get_running_loop().create_server(guard, "127.0.0.1", 0)
-    return runner, site, site.sockets[0].getsockname()[1]
+
+    async def stop() -> None:
+        site.close()
+        await runner.cleanup()
+
+    return site.sockets[0].getsockname()[1], stop
 
 
 async def get(port: int, path: str = "/") -> bytes:
@@ -115,7 +119,7 @@ async def loris_then_caller():
     """An outside attack held the admin endpoint's places with half-sent headers, renewed before
     the deadline, and every health probe was told 503 for as long as it liked."""
     guard = Guard(max_connections=2, header_timeout=30)
-    runner, site, port = await serve(guard)
+    port, stop = await serve(guard)
     loris = []
     try:
         loris += [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
@@ -132,8 +136,7 @@ async def loris_then_caller():
     finally:
         for _, w in loris:
             w.close()
-        site.close()
-        await runner.cleanup()
+        await stop()
 
 
 async def served_then_refused():
@@ -144,7 +147,7 @@ async def served_then_refused():
         return web.Response(text="ok")
 
     guard = Guard(max_connections=2, header_timeout=30)
-    runner, site, port = await serve(guard, slow)
+    port, stop = await serve(guard, slow)
     try:
         served = [asyncio.create_task(get(port)) for _ in range(2)]
         async with asyncio.timeout(5):
@@ -156,8 +159,7 @@ async def served_then_refused():
         for reply in await asyncio.gather(*served):  # neither was cut for the third
             assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"ok"), reply
     finally:
-        site.close()
-        await runner.cleanup()
+        await stop()
 
 
 def test_keep_alive_connections_idle_between_requests_make_room_for_a_new_caller():
@@ -176,7 +178,7 @@ async def keep_alive_then_caller():
         return web.Response(text="slow")
 
     guard = Guard(max_connections=3, header_timeout=30)
-    runner, site, port = await serve(guard, slow=slow)
+    port, stop = await serve(guard, slow=slow)
     kept = []
     try:
         busy = asyncio.create_task(get(port, "/slow"))  # a request in progress holds its place
@@ -199,8 +201,7 @@ async def keep_alive_then_caller():
         release.set()
         for _, w in kept:
             w.close()
-        site.close()
-        await runner.cleanup()
+        await stop()
 
 
 def test_a_request_read_from_an_idle_keep_alive_connection_is_answered_not_cut():
@@ -220,7 +221,7 @@ async def request_races_newcomer():
         return web.Response(text="slow")
 
     guard = Guard(max_connections=2, header_timeout=30)
-    runner, site, port = await serve(guard, slow=slow)
+    port, stop = await serve(guard, slow=slow)
     busy = asyncio.create_task(get(port, "/slow"))
     answered = []
     try:
@@ -242,8 +243,7 @@ async def request_races_newcomer():
     finally:
         release.set()
         await busy
-        site.close()
-        await runner.cleanup()
+        await stop()
 
 
 def test_a_client_that_stops_reading_its_responses_loses_its_place_at_the_deadline(caplog):
@@ -255,7 +255,7 @@ async def stalled_reader():
     """The third attack's find: a client pipelining requests that never reads the responses
     held its place for as long as it liked (95 of 95 probes 503 over 95 s)."""
     guard = Guard(max_connections=1, header_timeout=0.5)
-    runner, site, port = await serve(guard)
+    port, stop = await serve(guard)
     stalled = socket.socket()
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
     stalled.settimeout(3)
@@ -278,21 +278,20 @@ async def stalled_reader():
                 await asyncio.sleep(0.1)
     finally:
         stalled.close()
-        site.close()
-        await runner.cleanup()
+        await stop()
 
 
 def test_aiohttp_still_counts_the_requests_it_has_parsed():
     """The guard tells a request read whole from one partly sent by aiohttp's count of parsed
-    requests (not public). Without it the guard stays safe (it never cuts a connection that sent
-    a byte since it began to wait) but one byte after each answer holds a place again: an
-    aiohttp that drops the count must fail here, not in production."""
+    requests (not public). Without it the guard stays safe (it cuts no connection for a
+    newcomer) but every place can be held again: an aiohttp that drops the count must fail
+    here, not in production."""
     uvloop.run(counted())
 
 
 async def counted():
     guard = Guard(max_connections=2, header_timeout=30)
-    runner, site, port = await serve(guard)
+    port, stop = await serve(guard)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -302,8 +301,7 @@ async def counted():
         assert proto._request_count == 2
         writer.close()
     finally:
-        site.close()
-        await runner.cleanup()
+        await stop()
 
 
 def test_one_byte_after_each_answer_does_not_hold_a_place():
@@ -316,7 +314,7 @@ async def byte_after_answer():
     held a worker bounded at 8 (77 of 77 probes 503). A request only partly sent is nothing
     owed: the connection is cut like one waiting for its first headers."""
     guard = Guard(max_connections=2, header_timeout=30)
-    runner, site, port = await serve(guard)
+    port, stop = await serve(guard)
     held = []
     try:
         for _ in range(2):
@@ -332,8 +330,7 @@ async def byte_after_answer():
     finally:
         for _, w in held:
             w.close()
-        site.close()
-        await runner.cleanup()
+        await stop()
 
 
 def test_a_client_reading_slowly_keeps_its_connection_past_the_deadline():
@@ -349,7 +346,7 @@ async def slow_reader():
         return web.Response(body=b"x" * size)
 
     guard = Guard(max_connections=2, header_timeout=0.3)
-    runner, site, port = await serve(guard, handler=big)
+    port, stop = await serve(guard, handler=big)
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
 
     def read_slowly() -> int:
@@ -368,8 +365,7 @@ async def slow_reader():
         assert await asyncio.get_running_loop().run_in_executor(None, read_slowly) == size
     finally:
         sock.close()
-        site.close()
-        await runner.cleanup()
+        await stop()
 
 
 def test_a_connection_whose_body_no_handler_read_makes_room_once_answered(caplog):
@@ -382,7 +378,7 @@ async def unread_body_then_caller():
     reads and drops the body (lingering) and the connection could not be cut: 8 such holds,
     renewed as each ended, kept every caller at 503 (57 of 57). Answered, it is owed nothing."""
     guard = Guard(max_connections=1, header_timeout=30)
-    runner, site, port = await serve(guard)
+    port, stop = await serve(guard)
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nabc")  # and no more
@@ -393,8 +389,7 @@ async def unread_body_then_caller():
         assert await asyncio.wait_for(reader.read(), 5) == b""  # it made room
     finally:
         writer.close()
-        site.close()
-        await runner.cleanup()
+        await stop()
 
 
 def test_cutting_a_connection_whose_dropped_body_is_still_arriving_logs_no_error(caplog):
@@ -408,7 +403,7 @@ async def streaming_body_cut():
     found the connection closed. Four callers stream bodies after their answers for 2 s (each
     reconnecting when cut), as the worker runs aiohttp; a probe every 10 ms cuts them."""
     guard = Guard(max_connections=4, header_timeout=30)
-    runner, site, port = await serve(guard, handler_cancellation=True)  # as the worker runs it
+    port, stop = await serve(guard, handler_cancellation=True)  # as the worker runs it
     until = time.monotonic() + 2.0
     answers: list[bytes] = []
 
@@ -435,5 +430,4 @@ async def streaming_body_cut():
         await asyncio.gather(*[stream_bodies() for _ in range(4)], probe())
         assert b"HTTP/1.1 200" in answers, "no caller got in: nothing was cut"
     finally:
-        site.close()
-        await runner.cleanup()
+        await stop()
