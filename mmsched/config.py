@@ -56,7 +56,8 @@ class Config:
     log_format: str = _opt("text", "log line format", choices=("text", "json"))
     log_level: str = _opt("info", "log level", choices=("debug", "info", "warning", "error"))
     fault: list = _opt([], "inject failures: RANK:STAGE:RID_GLOB (stages: open materialize release engine stall hold corrupt)")
-    batch_ring: bool = _opt(True, "same-host followers take batches from a shared-memory ring instead of a gloo broadcast")
+    batch_ring: bool = _opt(True, "same-host followers take batches from a shared-memory ring instead of a gloo broadcast, "
+                                     "and a group on one host runs the engine's all-gather through shared memory")
     stall_s: float = _opt(3.0, "seconds a 'stall' (engine) or 'hold' (materialize) fault holds its rank", 0, 3600)
     session_idle_timeout: float = _opt(600.0, "seconds a session may sit unused (no turn run, none queued or running) before its features are released", 0.001, 1e9)
     session_max_bytes: int = _opt(1 << 30, "most feature bytes all sessions together may hold; beyond it, 503", 0, 1 << 42)

@@ -3,7 +3,8 @@
 ``SoloGroup`` is a group of one (no torch.distributed); ``GlooGroup`` wraps a real gloo
 process group; ``RingGroup`` is a ``GlooGroup`` whose broadcast reaches the followers on
 the leader's host through a shared-memory ring (``mmsched.ring``: no gloo threads, no
-TCP) and only the ranks on other hosts through gloo. Every method is a collective and
+TCP) and only the ranks on other hosts through gloo; where every rank shares that host,
+it also gives the engine's process group a shared-memory all-gather (``mmsched.exchange``). Every method is a collective and
 runs on the lane thread only.
 """
 
@@ -20,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from .errors import GroupBroken
-from .ring import Ring
+from .exchange import Exchange
+from .ring import Ring, pid_namespace, visible
 from .step_reports import StepReports
 
 
@@ -51,10 +53,13 @@ class SubGroup:
     """Collectives on another process group over the same ranks (the engine's own), so a rank
     that calls one where its peer calls the runner's never mixes the two in one collective."""
 
-    def __init__(self, pg, rank: int, world: int):
-        self.pg, self.rank, self.world = pg, rank, world
+    def __init__(self, pg, rank: int, world: int, exchange: Exchange | None = None):
+        """``exchange``: the same-host all-gather the engine's gathers take instead of gloo."""
+        self.pg, self.rank, self.world, self.exchange = pg, rank, world, exchange
 
     def all_gather(self, payload: np.ndarray) -> np.ndarray:
+        if self.exchange is not None:
+            return self.exchange.all_gather(payload)
         return all_gather(payload, self.world, self.pg)
 
     def all_gather_object(self, obj: Any) -> list:
@@ -76,6 +81,9 @@ class GlooGroup(SubGroup):
     def broadcast(self, payload: bytes | None) -> memoryview:
         """Leader passes bytes, followers None; everyone gets the leader's bytes."""
         return broadcast_bytes(payload, None)
+
+    def engine_exchange(self) -> Exchange | None:
+        return None  # without the batch ring, the engine gathers through gloo too
 
     @functools.cached_property
     def _reports(self) -> StepReports:
@@ -140,6 +148,7 @@ class RingGroup:
         """Collective, at start-up: the leader creates the ring, its followers map it, then
         the leader unlinks its name (so nothing is left in /dev/shm, whatever happens next)."""
         self.gloo, self.rank, self.world = gloo, gloo.rank, gloo.world
+        self._prefix, self._timeout_s, self._exchange = prefix, timeout_s, None
         local = [r for r in range(1, self.world) if hosts[r] == hosts[0]]
         self._local_names = [f"rank {r}" for r in local]
         remote = [r for r in range(1, self.world) if hosts[r] != hosts[0]]
@@ -149,18 +158,18 @@ class RingGroup:
         self.ring: Ring | None = None
         if self.rank == 0 and local:
             self.ring = Ring.create(f"{prefix}{os.getpid()}_ring_{uuid.uuid4().hex[:8]}", len(local), timeout_s)
-        me = (os.getpid(), _pid_namespace(), self.ring.name if self.ring else None)
+        me = (os.getpid(), pid_namespace(), self.ring.name if self.ring else None)
         peers = gloo.all_gather_object(me)
         problem = None
         if self.rank in local:
             try:
                 self.ring = Ring.attach(peers[0][2], len(local), local.index(self.rank), timeout_s)
-                self.ring.peers = [_visible(peers[0], me)]
+                self.ring.peers = [visible(peers[0], me)]
             except (OSError, GroupBroken) as exc:
                 problem = f"rank {self.rank} cannot map the ring: {exc}"
         problems = [p for p in gloo.all_gather_object(problem) if p]
         if self.rank == 0 and self.ring:
-            self.ring.peers = [_visible(peers[r], me) for r in local]
+            self.ring.peers = [visible(peers[r], me) for r in local]
             self.ring.unlink()
         if problems:
             self.close()
@@ -217,23 +226,21 @@ class RingGroup:
         if self._reports is not None:
             self._reports.begin()
 
+    def engine_exchange(self) -> Exchange | None:
+        """Collective, at start-up: where every rank shares the leader's host, the engine's
+        all-gather through shared memory (``mmsched.exchange``); else None (gloo)."""
+        if self._remote is None and self._exchange is None:
+            self._exchange = Exchange.join(self, self._prefix, self._timeout_s)
+        return self._exchange
+
     def close(self) -> None:
         if self.ring is not None:
             self.ring.close()
             self.ring = None
+        if self._exchange is not None:
+            self._exchange.close()
+            self._exchange = None
         self.gloo.close()
-
-
-def _pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
-def _visible(peer: tuple, me: tuple) -> int | None:
-    """A peer's pid, where this rank can see it (same pid namespace); else None (deadline only)."""
-    return peer[0] if peer[1] and peer[1] == me[1] else None
 
 
 FIRST = 32 << 10  # the first broadcast's size: a typical batch fits, so one collective suffices

@@ -86,6 +86,19 @@ def _alive(pid: int | None) -> bool:
     return True
 
 
+def pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def visible(peer: tuple, me: tuple) -> int | None:
+    """A peer's (pid, pid namespace, ...): its pid, where this rank can see it (the same
+    namespace); else None (only the deadline can tell)."""
+    return peer[0] if peer[1] and peer[1] == me[1] else None
+
+
 def segment_bytes(readers: int) -> int:
     return _LINE * (1 + readers) + SLOTS * SLOT_BYTES
 

@@ -187,7 +187,8 @@ def start_engine(cfg: Config, group, faults: Faults = NO_FAULTS) -> tuple[Engine
     world = group.world
     engine_group = None if world == 1 else dist.new_group(
         list(range(world)), backend="gloo", timeout=timedelta(seconds=cfg.collective_timeout))
-    gather = FlaggedGather(SoloGroup() if world == 1 else SubGroup(engine_group, group.rank, world),
+    gather = FlaggedGather(SoloGroup() if world == 1 else SubGroup(engine_group, group.rank, world,
+                                                                   group.engine_exchange()),
                            faults, cfg.stall_s)
     ctx = EngineContext(rank=group.rank, world=world, group=engine_group, seed=cfg.seed,
                         options=dict(cfg.engine_options), gather=gather)

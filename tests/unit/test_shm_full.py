@@ -115,3 +115,14 @@ def test_a_batch_ring_that_does_not_fit_fails_the_start_and_leaves_nothing(full_
         Ring.create("mmsched_test_ring", readers=1, timeout_s=1.0)
     assert exc.value.errno == 28  # ENOSPC
     assert os.listdir(full_shm) == []
+
+
+def test_an_engine_gather_segment_that_does_not_fit_fails_the_start_and_leaves_nothing(full_shm):
+    """The same for the engine's same-host all-gather (``mmsched.exchange``): reserved at the
+    start, where a full /dev/shm is a clear error, and unlinked then."""
+    from mmsched import exchange
+
+    with pytest.raises(OSError) as exc:
+        exchange._create("mmsched_test_gather", world=2)
+    assert exc.value.errno == 28  # ENOSPC
+    assert os.listdir(full_shm) == []
