@@ -4,8 +4,8 @@
 process group; ``RingGroup`` is a ``GlooGroup`` whose broadcast reaches the followers on
 the leader's host through a shared-memory ring (``mmsched.ring``: no gloo threads, no
 TCP) and only the ranks on other hosts through gloo; where every rank shares that host,
-it also gives the engine's process group a shared-memory all-gather (``mmsched.exchange``). Every method is a collective and
-runs on the lane thread only.
+it also gives the engine's gathers a shared-memory all-gather (``mmsched.exchange``).
+Every method is a collective and runs on the lane thread only.
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ def _no_aborts() -> dict[int, str]:
 class FlaggedGather:
     """``EngineContext.gather``: the engine's all-gather, with the runner's agreement in it.
 
-    It runs on the engine's own process group: a rank whose engine skips its gather (it
+    It runs on the engine's own process group (through shared memory where every rank shares
+    the leader's host: ``mmsched.exchange``): a rank whose engine skips its gather (it
     raised first, say) agrees on the runner's group instead, and the two collectives can
     only wait for each other (the lane's deadline breaks the group), never pair up with
     different sizes. Armed for one step; each call gathers the engine's rows together with
