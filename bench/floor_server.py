@@ -6,7 +6,9 @@ Why: the tp=2 latency targets are absolute (p50 <= 2 ms at half the maximum rate
 small shared host the host decides much of them. This server does only what every tp=2
 batch of mmsched must: rank 0 drains a ROUTER without blocking (a batch), a second thread
 runs one gloo all-gather with rank 1 (the agreement each batch pays), and rank 0 answers
-each request 200 with its rid. Its ranks run as mmsched's do (``server.place_process``:
+each request 200 with its rid. (Since session 59 mmsched's ranks on one host make that
+all-gather through shared memory, ``mmsched.exchange``, cheaper than gloo's: this floor
+keeps gloo's, as a ranks-on-two-hosts group still pays it.) Its ranks run as mmsched's do (``server.place_process``:
 one CPU each, one torch thread, the same GIL switch interval and time slice; gloo's TCP
 loop threads lowered). No
 validation, no admission, no ring, no engine: mmsched's p50 beside this server's at the
