@@ -180,8 +180,9 @@ def _announce(cfg: Config, rank: int, world: int, topology: Topology) -> None:
 
 def start_engine(cfg: Config, group, faults: Faults = NO_FAULTS) -> tuple[Engine, FlaggedGather]:
     """The engine of ``cfg.engine`` with its own process group over all ranks (gloo; None at
-    world 1), and its ``EngineContext.gather`` on that group (the runner's agreement rides
-    in it). Whether every rank built the engine is agreed (one collective at start), so a
+    world 1), and its ``EngineContext.gather`` on that group, or through shared memory where
+    every rank shares the leader's host (``RingGroup.engine_exchange``); the runner's
+    agreement rides in it. Whether every rank built the engine is agreed (one collective at start), so a
     factory that fails on one rank stops them all with exit 2 rather than leaving the
     others waiting."""
     world = group.world
