@@ -12,16 +12,16 @@
 3. latency: p50/p99 in an open loop at half of mmsched's measured maximum (tp=1 and
    tp=2, text-only), against the bare ROUTER at the same rate;
 4. consensus: bench/consensus.py (per-request all_gather_object against one batched
-   all-gather), when it is there, and its floor: one all-gather between two idle rank
-   processes, p50/p99, which every tp=2 batch pays (the tp=2 latency targets leave 1 ms
-   above the bare ROUTER for everything, this included);
+   all-gather), when it is there, and its floor: one gloo all-gather between two idle rank
+   processes, p50/p99, which every tp=2 batch with features pays, and every batch of a group
+   across hosts (ranks on one host gather a text-only batch through shared memory);
 5. remote: bench/remote.py (shipping host-bound features to a rank on another host
    against one gloo broadcast of the same bytes), when it is there;
 6. sync client: bench/sync_client.py, a plain synchronous pyzmq DEALER (no asyncio, not
    our load generator): text-only throughput with 256 in flight, and p50/p99 in an open
    loop at 1000 req/s, each against the bare ROUTER; then the same open loops against
-   bench/floor_server.py, a tp=2 server that does only what every tp=2 batch must (a
-   ROUTER and one gloo all-gather a batch): a floor row beside the tp=2 latency targets;
+   bench/floor_server.py, a tp=2 server doing only a ROUTER and one gloo all-gather a batch
+   (what a tp=2 batch across hosts must): a floor row beside the tp=2 latency targets;
    and mmsched at tp=2 serving bench/gather_engine.py (no arithmetic, one ``ctx.gather`` a
    step) at tp2's half rate and at half its own maximum: the scheduler's share of those rows.
    Its half-maximum runs also print where the server's CPU went, per rank and thread role
