@@ -24,16 +24,14 @@ order of the stores (bytes, then the round) relies on x86's memory order.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import mmap
 import os
-import time
 import uuid
 
 import numpy as np
 
 from .errors import GroupBroken
-from .ring import MASK, TICK_S, _alive, _futex_wait, _futex_wake, pid_namespace, visible
+from .ring import LATE, MASK, _alive, _futex_wake, pid_namespace, reserve, sleep_until, visible
 from .segments import shm_path
 
 CHUNK = 256 << 10  # bytes a rank publishes a round: a batch of 256 reference-engine rows is ~66 KiB
@@ -70,7 +68,7 @@ class Exchange:
         fd, problem = -1, None
         name = f"{prefix}{os.getpid()}_gather_{uuid.uuid4().hex[:8]}" if rank == 0 else None
         if rank == 0:
-            fd = _create(name, world)
+            fd = reserve(name, segment_bytes(world), lambda fd: fd)
         me = (os.getpid(), pid_namespace(), name)
         peers = group.all_gather_object(me)
         if rank != 0:
@@ -127,34 +125,16 @@ class Exchange:
     def _wait(self, r: int, k: int) -> None:
         """Until rank ``r`` has published round ``k`` (or the next one); GroupBroken past the
         deadline, or if it died."""
-        word = self._lines[r] // 4
-        seen = int(self._words[word])
-        deadline = None
-        while seen != k and seen != (k + 1) & MASK:
-            now = time.monotonic()
-            deadline = deadline or now + self.timeout_s
-            if now >= deadline:
-                raise GroupBroken(f"engine gather: rank {r} did not gather within {self.timeout_s:g} s")
-            if not _alive(self.peers[r]):
-                raise GroupBroken(f"engine gather: rank {r} is gone")
-            # sleeps only while the word still holds ``seen``: a change just before is not missed
-            _futex_wait(self._addr[r], seen, min(TICK_S, deadline - now))
-            seen = int(self._words[word])
+        words, at, ahead = self._words, self._lines[r] // 4, (k + 1) & MASK
+        if int(words[at]) in (k, ahead):  # there already: no closures built
+            return
+        why = sleep_until(lambda: int(words[at]), self._addr[r], lambda v: v == k or v == ahead, self.timeout_s,
+                          lambda: _alive(self.peers[r]))
+        if why is not None:
+            raise GroupBroken(f"engine gather: rank {r} did not gather within {self.timeout_s:g} s" if why == LATE
+                              else f"engine gather: rank {r} is gone")
 
     def close(self) -> None:
         self._bytes = self._words = self._sizes = None  # the views go before the mapping
         self._mm.close()
-
-
-def _create(name: str, world: int) -> int:
-    fd = os.open(shm_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        os.ftruncate(fd, segment_bytes(world))
-        os.posix_fallocate(fd, 0, segment_bytes(world))  # pages now: a full /dev/shm fails the start
-        return fd
-    except BaseException:
-        os.close(fd)
-        os.unlink(shm_path(name))
-        raise
 

@@ -32,6 +32,7 @@ import os
 import platform
 import struct
 import time
+from typing import Callable, TypeVar
 
 from .errors import GroupBroken
 from .segments import shm_path
@@ -43,6 +44,7 @@ PAYLOAD = SLOT_BYTES - 8
 TICK_S = 0.05                    # how often a wait looks at its deadline and the other side
 MASK = 0xFFFFFFFF
 _LINE = 64
+T = TypeVar("T")
 _PUBLISHED, _LEADER_WAITS = 0, 1  # header words (u32 indices) of line 0
 
 
@@ -86,6 +88,49 @@ def _alive(pid: int | None) -> bool:
     return True
 
 
+LATE, GONE = "late", "gone"  # why ``sleep_until`` gave up
+
+
+def sleep_until(word: Callable[[], int], addr: ctypes.c_void_p, done: Callable[[int], bool], timeout_s: float,
+                alive: Callable[[], bool]) -> str | None:
+    """Sleep on the shared u32 at ``addr`` (read by ``word``) until ``done(value)``: None, or
+    why not, LATE past ``timeout_s`` or GONE once ``alive()`` says the other side died. Each
+    sleep is a futex tick of at most ``TICK_S``, so the deadline and the peer are looked at
+    even when no wake comes."""
+    seen = word()
+    if done(seen):
+        return None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return LATE
+        # sleep only while the word still holds the value just judged: a change between
+        # the check and the call makes the kernel return at once (no lost wake-up)
+        _futex_wait(addr, seen, min(TICK_S, left))
+        seen = word()
+        if done(seen):
+            return None
+        if not alive():
+            return GONE
+
+
+def reserve(name: str, size: int, use: Callable[[int], T]) -> T:
+    """Create /dev/shm segment ``name`` of ``size`` bytes, shared-locked (the sweep leaves it
+    alone) and its pages reserved now: a full /dev/shm fails here (ENOSPC), not a write into a
+    hole later (SIGBUS). Returns ``use(fd)``; on any failure nothing is left."""
+    fd = os.open(shm_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        return use(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(shm_path(name))
+        raise
+
+
 def pid_namespace() -> str:
     try:
         return os.readlink("/proc/self/ns/pid")
@@ -123,17 +168,7 @@ class Ring:
     @classmethod
     def create(cls, name: str, readers: int, timeout_s: float) -> "Ring":
         """The leader's end; it holds a shared flock until ``unlink``, so the sweep leaves it alone."""
-        fd = os.open(shm_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            os.ftruncate(fd, segment_bytes(readers))
-            os.posix_fallocate(fd, 0, segment_bytes(readers))  # pages now: a full /dev/shm fails the start
-            # (ENOSPC), not a write into a hole later (SIGBUS in the leader)
-            return cls(name, fd, readers, None, timeout_s)
-        except BaseException:
-            os.close(fd)
-            os.unlink(shm_path(name))
-            raise
+        return reserve(name, segment_bytes(readers), lambda fd: cls(name, fd, readers, None, timeout_s))
 
     @classmethod
     def attach(cls, name: str, readers: int, index: int, timeout_s: float) -> "Ring":
@@ -165,23 +200,14 @@ class Ring:
 
     def _wait(self, at: int, until, who: str) -> None:
         """Sleep on header word ``at`` until ``until(value)``; GroupBroken past the deadline or if a peer died."""
-        addr = self._addr[at]
-        seen = self._words[at]
-        if until(seen):
+        words = self._words
+        if until(words[at]):  # the usual case, at no more cost than the check
             return
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise GroupBroken(f"ring: {who} did not move within {self.timeout_s:g} s")
-            # sleep only while the word still holds the value just judged: a change between
-            # the check and the call makes the kernel return at once (no lost wake-up)
-            _futex_wait(addr, seen, min(TICK_S, left))
-            seen = self._words[at]
-            if until(seen):
-                return
-            if not all(_alive(p) for p in self.peers):
-                raise GroupBroken(f"ring: {who} is gone")
+        why = sleep_until(lambda: words[at], self._addr[at], until, self.timeout_s,
+                          lambda: all(_alive(p) for p in self.peers))
+        if why is not None:
+            raise GroupBroken(f"ring: {who} did not move within {self.timeout_s:g} s" if why == LATE
+                              else f"ring: {who} is gone")
 
     # ------------------------------------------------------------ leader
 

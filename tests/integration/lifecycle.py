@@ -10,11 +10,15 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
+import signal
 import time
 
 import torch
 
 from mmsched.client import Client, Result
+
+from ..conftest import pid_alive
 
 
 SHM_DIR = "/dev/shm"
@@ -57,6 +61,29 @@ def wait_until(cond, timeout: float, what: str, step: float = 0.05):
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout}s: {what}")
         time.sleep(step)
+
+
+async def while_stopped(pid: int, request) -> tuple[Result, float]:
+    """``request`` (a coroutine, not yet awaited) run while process ``pid`` is stopped
+    (SIGSTOP; SIGCONT whatever happens): its result and the seconds it took."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        r = await request
+        return r, time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def assert_group_broke(srv, pids: list[int], r: Result, took: float, timeout: float, why: str) -> None:
+    """What a request held by a stopped rank must end in: a 500 ``rank group broken`` within the
+    collective deadline (+3 s), ``group_broken`` logged for a reason matching ``why``, the group
+    exiting non-zero and every rank process gone."""
+    assert r.status == 500 and "broken" in r.message, r
+    assert took < timeout + 3, took
+    assert re.search(rf"group_broken.*({why})", srv.logs()), srv.logs()[-3000:]
+    assert srv.proc.wait(timeout=timeout + 10) != 0
+    wait_until(lambda: not any(pid_alive(p) for p in pids), 10, "every rank process exits")
 
 
 async def no_extra_results(c: Client) -> None:

@@ -121,8 +121,9 @@ def test_an_engine_gather_segment_that_does_not_fit_fails_the_start_and_leaves_n
     """The same for the engine's same-host all-gather (``mmsched.exchange``): reserved at the
     start, where a full /dev/shm is a clear error, and unlinked then."""
     from mmsched import exchange
+    from mmsched.ring import reserve
 
     with pytest.raises(OSError) as exc:
-        exchange._create("mmsched_test_gather", world=2)
+        reserve("mmsched_test_gather", exchange.segment_bytes(2), lambda fd: fd)
     assert exc.value.errno == 28  # ENOSPC
     assert os.listdir(full_shm) == []
