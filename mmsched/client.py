@@ -1,6 +1,7 @@
 """The asyncio client: ``async with Client(addr) as c: r = await c.embed(ids, [shm(t)])``.
 
-One DEALER socket, one reader task fanning replies out to per-request futures.
+One DEALER socket (``client_socket.ClientSocket``: sends that never wait), one reader task
+fanning replies out to per-request futures.
 Features are described with ``shm()``, ``inline()``, ``pooled()``, ``cuda_ipc()``, ``ref()``
 or ``raw()`` (``mmsched.producers.features``, which writes them at send time); ``shm``
 segments are locked until the result arrives, and owned by mmsched once sent.
@@ -11,16 +12,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 from collections import deque
 from typing import Any, Iterable, Sequence
 
+import msgpack
 import numpy as np
 import torch
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from .client_socket import ClientSocket
 from .producers.features import Feature, Held, cuda_ipc, inline, pooled, raw, ref, shm
 from . import protocol
 from .protocol import VERSION, pack
@@ -32,6 +36,8 @@ log = logging.getLogger("mmsched.client")
 
 class Result(protocol.Result):
     """A result as the client reads it (``Result.from_wire``), with its embedding decoded."""
+
+    received_at = math.nan  # time.perf_counter() when the client read it off its socket
 
     @property
     def embedding(self) -> torch.Tensor:
@@ -53,7 +59,8 @@ class Client:
         self.ipc_pool, self.shm_pool = ipc_pool, shm_pool
         self._held: dict[str, Held] = {}  # rid -> what its features hold until its result
         self._ctx = context or zmq.asyncio.Context.instance()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket | None = None  # a plain socket: self._io makes it asyncio's
+        self._io: ClientSocket | None = None
         self._reader: asyncio.Task | None = None
         self._events: asyncio.Task | None = None  # reads the monitor now and then (_drain_events)
         self._monitor: zmq.Socket | None = None  # the DEALER's connection events (a PAIR socket)
@@ -68,7 +75,8 @@ class Client:
         self._n = itertools.count()
 
     async def __aenter__(self) -> "Client":
-        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock = self._ctx.socket(zmq.DEALER, socket_class=zmq.Socket)  # (the context closes it too)
+        self._io = ClientSocket(self._sock)
         self._sock.setsockopt(zmq.LINGER, 0)
         # Replies the reader has not taken yet wait in ZeroMQ, not in the kernel: at the default
         # 1000, a busy client's I/O thread stops reading, and so misses the server closing.
@@ -98,6 +106,8 @@ class Client:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         self._reader = self._events = None
+        if self._io is not None:
+            self._io.close()
         if self._monitor is not None:
             if not self._sock.closed:  # (closed already if its context was destroyed)
                 self._sock.disable_monitor()
@@ -196,7 +206,7 @@ class Client:
             fut = asyncio.get_running_loop().create_future()
             self._results[rid] = fut
         body = packed if packed is not None else pack(header)
-        self._sock.send_multipart([body, *frames], copy=False)
+        self._io.send([body, *frames])
         return fut
 
     def give_up(self, rid: str) -> None:
@@ -219,7 +229,7 @@ class Client:
                 self._results.pop(rid, None)
 
     async def abort(self, rid: str) -> None:
-        await self._sock.send_multipart([pack({"v": VERSION, "type": "abort", "rid": rid})])
+        self._io.send([pack({"v": VERSION, "type": "abort", "rid": rid})])
 
     async def ping(self, timeout: float | None = None) -> dict:
         fut = asyncio.get_running_loop().create_future()
@@ -234,66 +244,56 @@ class Client:
 
     async def _exchange(self, frames: list, fut: asyncio.Future, timeout: float | None) -> dict:
         """Send, then wait for the reply, both under the one deadline: a DEALER with no peer
-        blocks in send (a server that refuses our CURVE key never becomes one)."""
+        cannot send (a server that refuses our CURVE key never becomes one). A message still
+        unsent at the deadline is never sent: its late reply would answer the next call."""
+        sent = self._io.send(frames, track=True)
+
         async def both() -> dict:
-            await self._sock.send_multipart(frames)
+            await sent
             return await fut
-        return await asyncio.wait_for(both(), timeout or self.timeout)
+        try:
+            return await asyncio.wait_for(both(), timeout or self.timeout)
+        finally:
+            self._io.drop(sent)
 
     # ------------------------------------------------------------ the reader
     async def _read(self) -> None:
-        import msgpack
+        await self._io.receive(self._route)
 
-        raw = zmq.Socket.shadow(self._sock.underlying)  # sync view: drain replies without a future each
-        burst: deque[list] = deque()
-        while True:
-            if not burst:  # wait until readable, then take everything there is (up to 256)
-                await self._sock.poll(flags=zmq.POLLIN)
-                burst.extend(_drain(raw, 256))
-                continue
-            frames = burst.popleft()
-            try:
-                h = msgpack.unpackb(frames[0], raw=False)
-            except Exception:
-                log.warning("unreadable reply dropped")
-                continue
-            kind = h.get("type")
-            if kind == "result":
-                res = Result.from_wire(h)
-                fut = self._results.pop(res.rid, None) if res.rid is not None else None
-                held = self._held.pop(res.rid, None) if res.rid is not None else None
-                if held is not None:
-                    held.answered(res.status)
-                if fut is None or fut.done():
-                    self.unrouted.append(res)
-                else:
-                    fut.set_result(res)
-            elif kind == "pong":
-                while self._pongs:
-                    fut = self._pongs.popleft()
-                    if not fut.done():
-                        fut.set_result(h)
-                        break
-            elif kind == "ack":
-                q = self._acks.get(h.get("session_id"))
-                if q:
-                    fut = q.popleft()
-                    if not fut.done():
-                        fut.set_result(h)
+    def _route(self, frames: list, at: float) -> None:
+        """One reply (read off the socket at ``at``) to whoever waits for it."""
+        try:
+            h = msgpack.unpackb(frames[0], raw=False)
+        except Exception:
+            log.warning("unreadable reply dropped")
+            return
+        kind = h.get("type")
+        if kind == "result":
+            res = Result.from_wire(h)
+            res.received_at = at
+            fut = self._results.pop(res.rid, None) if res.rid is not None else None
+            held = self._held.pop(res.rid, None) if res.rid is not None else None
+            if held is not None:
+                held.answered(res.status)
+            if fut is None or fut.done():
+                self.unrouted.append(res)
+            else:
+                fut.set_result(res)
+        elif kind == "pong":
+            while self._pongs:
+                fut = self._pongs.popleft()
+                if not fut.done():
+                    fut.set_result(h)
+                    break
+        elif kind == "ack":
+            q = self._acks.get(h.get("session_id"))
+            if q:
+                fut = q.popleft()
+                if not fut.done():
+                    fut.set_result(h)
 
     def __repr__(self) -> str:
         return f"<Client {self.address} pending={len(self._results)}>"
-
-
-def _drain(sock: zmq.Socket, limit: int) -> list[list]:
-    """Up to ``limit`` waiting messages, without blocking (until EAGAIN re-arms the socket's edge)."""
-    out = []
-    for _ in range(limit):
-        try:
-            out.append(sock.recv_multipart(zmq.NOBLOCK))
-        except zmq.Again:
-            break
-    return out
 
 
 def _ids_bin(ids) -> bytes:

@@ -115,7 +115,6 @@ class Run(Watch):
             self.all_done.set()
 
     def _on_result(self, row: int, sess: Session | None, fut: asyncio.Future) -> None:
-        t = time.perf_counter() - self.t0
         self.futs.pop(row, None)
         if fut.cancelled():
             if row in self.given_up:  # its connection was replaced: it stays lost, its slot goes on
@@ -123,8 +122,8 @@ class Run(Watch):
                 self.want.pop(row, None)
                 self._go_on(sess, None)
             return  # else the run is over: it stays lost
-        res = fut.result()
-        self.rec.t_recv[row], self.rec.status[row] = t, res.status
+        res = fut.result()  # latency ends where the client read the reply, not when this callback ran
+        self.rec.t_recv[row], self.rec.status[row] = res.received_at - self.t0, res.status
         want = self.want.pop(row, None)
         if want is not None and res.status == 200:
             ok = res.meta.get("digests") == want
