@@ -209,8 +209,8 @@ def _add_loadtest_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _loadtest(args: argparse.Namespace) -> int:
-    """Thin: flags → LoadSpec → run → table (and JSON, plot); exit 1 on a lost result, a leak or
-    (``--verify``) a 200 carrying bytes that were not sent."""
+    """Thin: flags → LoadSpec → run → table (and JSON, plot); exit 1 on a lost result, a leak, a
+    status the request's kind should not get, or (``--verify``) a 200 carrying bytes not sent."""
     from . import loadgen
 
     try:

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 from collections import deque
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import msgpack
 import numpy as np
@@ -188,7 +188,7 @@ class Client:
         held = Held(self.shm_pool, self.ipc_pool, self.shm_prefix)
         try:
             header["mm_items"] = [held.item(f, frames) for f in features]
-            fut = self.send_raw(header, frames, rid=rid)
+            fut = self.send_raw(header, frames, rid=rid, never_sent=lambda: self._never_sent(rid))
         except BaseException:
             held.never_sent()
             raise
@@ -197,8 +197,9 @@ class Client:
         return fut
 
     def send_raw(self, header: Any, frames: Sequence[Any] = (), rid: str | None = None,
-                 packed: bytes | None = None) -> asyncio.Future | None:
-        """Send a header (or pre-packed bytes) and frames; a future for ``rid``'s result if given."""
+                 packed: bytes | None = None, never_sent: Callable[[], None] | None = None) -> asyncio.Future | None:
+        """Send a header (or pre-packed bytes) and frames; a future for ``rid``'s result if given;
+        ``never_sent`` runs if the client closes before ZeroMQ took the message."""
         fut = None
         if rid is not None:
             if rid in self._results:
@@ -206,8 +207,15 @@ class Client:
             fut = asyncio.get_running_loop().create_future()
             self._results[rid] = fut
         body = packed if packed is not None else pack(header)
-        self._io.send([body, *frames])
+        self._io.send([body, *frames], never_sent=never_sent)
         return fut
+
+    def _never_sent(self, rid: str) -> None:
+        """The client closed before ZeroMQ took the request: no server saw it, so its
+        segments are still ours, unlinked here (its pool slices freed)."""
+        held = self._held.pop(rid, None)
+        if held is not None:
+            held.never_sent()
 
     def give_up(self, rid: str) -> None:
         """Stop waiting for ``rid``'s result (its connection was replaced: no reply can come).

@@ -30,12 +30,15 @@ class ClientSocket:
 
     def __init__(self, sock: zmq.Socket):
         self.sock = sock
-        self._unsent: deque[tuple[Sequence[Any], asyncio.Future | None]] = deque()
+        # (frames, the ``track`` future or None, what to do if it is never sent or None)
+        self._unsent: deque[tuple[Sequence[Any], asyncio.Future | None, Callable[[], None] | None]] = deque()
         self._check = asyncio.Event()  # set: the reader must look at ZMQ_EVENTS again
 
-    def send(self, frames: Sequence[Any], track: bool = False) -> asyncio.Future | None:
+    def send(self, frames: Sequence[Any], track: bool = False,
+             never_sent: Callable[[], None] | None = None) -> asyncio.Future | None:
         """Send ``frames`` as one message now, or after what waits; ``track``: a future done
-        once ZeroMQ has taken it (``drop`` it to give up a message still waiting)."""
+        once ZeroMQ has taken it (``drop`` it to give up a message still waiting);
+        ``never_sent``: called if ``close`` comes while it still waits here."""
         if not self._unsent:
             try:
                 _send_now(self.sock, frames)
@@ -45,7 +48,7 @@ class ClientSocket:
                 self._check.set()
                 return _done() if track else None
         sent = asyncio.get_running_loop().create_future() if track else None
-        self._unsent.append((frames, sent))
+        self._unsent.append((frames, sent, never_sent))
         self._check.set()
         return sent
 
@@ -56,11 +59,13 @@ class ClientSocket:
             sent.cancel()
 
     def close(self) -> None:
-        """Nothing waiting will be sent: wake whoever tracks it (cancelled)."""
-        for _, sent in self._unsent:
+        """Nothing waiting will be sent: wake whoever tracks it (cancelled), and say so."""
+        unsent, self._unsent = self._unsent, deque()
+        for _, sent, never_sent in unsent:
             if sent is not None and not sent.done():
                 sent.cancel()
-        self._unsent.clear()
+            if never_sent is not None:
+                never_sent()
 
     async def receive(self, handle: Handler) -> None:
         """Until cancelled: send what waits once the socket takes it, and ``handle`` each
@@ -90,7 +95,7 @@ class ClientSocket:
         """Send what waits, in order, while ZeroMQ takes it; whether anything went."""
         went = False
         while self._unsent:
-            frames, sent = self._unsent[0]
+            frames, sent, _ = self._unsent[0]
             try:
                 _send_now(self.sock, frames)
             except zmq.Again:

@@ -21,7 +21,7 @@ class Report:
     @property
     def ok(self) -> bool:
         return (self.summary["lost"] == 0 and not self.segments["leaked"] and not self.summary["mismatched"]
-                and self.error is None)
+                and not self.summary["unexpected"] and self.error is None)
 
     def to_json(self) -> dict:
         """The summary and the raw rows, kept apart."""
@@ -50,7 +50,9 @@ def format_table(report: Report) -> str:
                      f"{s['mismatched']} carried other bytes")
     lines.extend(report.notes)
     problems = [x for x, bad in (("lost results", s["lost"]), ("leaked segments", seg["leaked"]),
-                                 ("200s with bytes that were not sent", s["mismatched"])) if bad]
+                                 ("200s with bytes that were not sent", s["mismatched"]),
+                                 (f"{s['unexpected']} results of a status their kind should not get "
+                                  "(see 'by kind')", s["unexpected"])) if bad]
     verdict = "OK" if report.ok else "FAIL: " + ", ".join(problems + ([report.error] if report.error else []))
     lines.append(verdict)
     return "\n".join(lines)

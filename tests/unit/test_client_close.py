@@ -147,3 +147,32 @@ async def test_a_rid_still_in_flight_raises_and_takes_back_the_segment_it_made(t
             c.send_request("embed", [1], [shm(torch.ones(4))], rid="same")
         assert mine() == before, "the refused call's segment is gone"
         assert not first.done()
+
+
+async def test_close_unlinks_the_segments_of_requests_that_never_left_the_client(tmp_path):
+    """Outside attack, session 60: with no server, ZeroMQ queues 1000 messages and the rest
+    wait in the client; close() left the segments of all of them. Those that never reached
+    ZeroMQ are still the client's, and go; those ZeroMQ took are the server's by the
+    contract (its sweep reclaims them), removed here by the test as the sweep would."""
+    import torch
+
+    from mmsched.client import shm
+
+    def mine() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"mmsched_{os.getpid()}_")}
+
+    n = 1300
+    before = mine()
+    c = Client(f"ipc://{tmp_path}/nobody", timeout=30)
+    await c.__aenter__()
+    try:
+        for i in range(n):
+            c.send_request("embed", [1], [shm(torch.ones(4))], rid=f"r{i}")
+        assert len(mine() - before) == n
+        await c.close()
+        left = mine() - before
+        assert len(left) <= 1000, f"{len(left)} segments left: the never-sent requests' too"
+    finally:
+        await c.close()
+        for name in mine() - before:
+            os.unlink(f"/dev/shm/{name}")

@@ -69,6 +69,15 @@ def test_leak_fails_the_report():
     assert not rep.ok and "leaked segments" in format_table(rep)
 
 
+def test_results_of_an_unexpected_status_fail_the_report():
+    """Outside attack, session 60: 1999 plain requests answered 400 (a server with another
+    shm prefix) printed OK and exited 0."""
+    rec = records([("", 0.0, 0.001, 200), ("", 0.1, 0.2, 400), ("bad_name", 0.2, 0.3, 400)])
+    rep = Report({"shm_prefix": "mmsched_"}, summarize(rec), rec, {"before": 0, "after": 0, "leaked": []})
+    assert not rep.ok
+    assert format_table(rep).endswith("FAIL: 1 results of a status their kind should not get (see 'by kind')")
+
+
 @pytest.mark.parametrize("text, n", [("65536", 65536), ("64K", 65536), ("64KiB", 65536), ("1M", 1 << 20),
                                      ("1mib", 1 << 20), ("0.5K", 512), ("2G", 2 << 30)])
 def test_parse_size(text, n):
