@@ -1,7 +1,6 @@
 """The asyncio client: ``async with Client(addr) as c: r = await c.embed(ids, [shm(t)])``.
 
-One DEALER socket (``client_socket.ClientSocket``: sends that never wait), one reader task
-fanning replies out to per-request futures.
+One DEALER socket (``client_socket``: sends never wait), one reader fanning replies out to futures.
 Features are described with ``shm()``, ``inline()``, ``pooled()``, ``cuda_ipc()``, ``ref()``
 or ``raw()`` (``mmsched.producers.features``, which writes them at send time); ``shm``
 segments are locked until the result arrives, and owned by mmsched once sent.
@@ -93,7 +92,7 @@ class Client:
         except BaseException:
             await self.close()
             raise
-        self._reader = asyncio.ensure_future(self._read())
+        self._reader = asyncio.ensure_future(self._io.receive(self._route))
         self._events = asyncio.ensure_future(self._drain_events())
         return self
 
@@ -123,9 +122,7 @@ class Client:
         for fut in pending:  # no reply can come any more: every waiter is woken (cancelled)
             if not fut.done():
                 fut.cancel()
-        self._results.clear()
-        self._pongs.clear()
-        self._acks.clear()
+        self._results, self._pongs, self._acks = {}, deque(), {}
 
     def connection_lost(self) -> bool:
         """Whether this client had a connection to the server and has none now (the server
@@ -211,8 +208,7 @@ class Client:
         return fut
 
     def _never_sent(self, rid: str) -> None:
-        """The client closed before ZeroMQ took the request: no server saw it, so its
-        segments are still ours, unlinked here (its pool slices freed)."""
+        """Closed before ZeroMQ took the request: no server saw it, its segments are ours to unlink."""
         held = self._held.pop(rid, None)
         if held is not None:
             held.never_sent()
@@ -251,9 +247,8 @@ class Client:
                                     fut, timeout)
 
     async def _exchange(self, frames: list, fut: asyncio.Future, timeout: float | None) -> dict:
-        """Send, then wait for the reply, both under the one deadline: a DEALER with no peer
-        cannot send (a server that refuses our CURVE key never becomes one). A message still
-        unsent at the deadline is never sent: its late reply would answer the next call."""
+        """Send, then wait for the reply, under one deadline (ZeroMQ may not take the message: a
+        server refusing our CURVE key); still waiting in the client then, it is never sent."""
         sent = self._io.send(frames, track=True)
 
         async def both() -> dict:
@@ -265,9 +260,6 @@ class Client:
             self._io.drop(sent)
 
     # ------------------------------------------------------------ the reader
-    async def _read(self) -> None:
-        await self._io.receive(self._route)
-
     def _route(self, frames: list, at: float) -> None:
         """One reply (read off the socket at ``at``) to whoever waits for it."""
         try:
