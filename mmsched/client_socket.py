@@ -53,9 +53,11 @@ class ClientSocket:
         return sent
 
     def drop(self, sent: asyncio.Future | None) -> None:
-        """A tracked message still waiting is not sent at all (its sender gave up on it)."""
-        if sent is not None and not sent.done():
+        """A tracked message still waiting is not sent at all (its sender gave up on it; a
+        timeout around ``await sent`` has cancelled ``sent`` already)."""
+        if sent is not None and any(e[1] is sent for e in self._unsent):
             self._unsent = deque(e for e in self._unsent if e[1] is not sent)
+        if sent is not None:
             sent.cancel()
 
     def close(self) -> None:
@@ -96,6 +98,9 @@ class ClientSocket:
         went = False
         while self._unsent:
             frames, sent, _ = self._unsent[0]
+            if sent is not None and sent.cancelled():  # given up: never sent
+                self._unsent.popleft()
+                continue
             try:
                 _send_now(self.sock, frames)
             except zmq.Again:

@@ -8,6 +8,7 @@ import contextlib
 import threading
 import time
 
+import pytest
 import zmq
 
 from mmsched.client_socket import ClientSocket
@@ -79,6 +80,22 @@ async def test_a_message_given_up_is_never_sent(tmp_path):
         io.send([b"kept"])
         io.drop(first)
         assert first.cancelled()
+        got: list = []
+        await _router_echo(addr, 1, got, replies)
+        assert got == [[b"kept"]] and replies == [[b"kept"]]
+
+
+async def test_a_tracked_message_whose_sender_timed_out_is_never_sent(tmp_path):
+    """As ``ping`` waits: ``await sent`` under a deadline cancels ``sent`` when it passes, and
+    ``drop`` must still take the message out (the review of session 60 found it left there)."""
+    addr = f"ipc://{tmp_path}/timed_out"
+    replies: list = []
+    async with _reading(addr, lambda frames, at: replies.append(frames)) as io:
+        sent = io.send([b"too late"], track=True)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(sent, 0.05)
+        io.drop(sent)
+        io.send([b"kept"])
         got: list = []
         await _router_echo(addr, 1, got, replies)
         assert got == [[b"kept"]] and replies == [[b"kept"]]
