@@ -264,10 +264,10 @@ class Client:
         """One reply (read off the socket at ``at``) to whoever waits for it."""
         try:
             h = msgpack.unpackb(frames[0], raw=False)
+            kind = h.get("type")  # (not a map: dropped too, never the reader's end)
         except Exception:
             log.warning("unreadable reply dropped")
             return
-        kind = h.get("type")
         if kind == "result":
             res = Result.from_wire(h)
             res.received_at = at

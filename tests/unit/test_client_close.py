@@ -176,3 +176,28 @@ async def test_close_unlinks_the_segments_of_requests_that_never_left_the_client
         await c.close()
         for name in mine() - before:
             os.unlink(f"/dev/shm/{name}")
+
+
+async def test_a_reply_that_is_not_a_map_is_dropped_and_the_reader_goes_on(tmp_path):
+    """A reply MessagePack reads but that is no map (a server of something else) used to end
+    the reader (``h.get`` raised): every later result would then wait for its timeout."""
+    import msgpack
+    import zmq
+
+    addr = f"ipc://{tmp_path}/rogue"
+    r = zmq.Context.instance().socket(zmq.ROUTER)
+    r.setsockopt(zmq.LINGER, 0)
+    r.bind(addr)
+    try:
+        async with Client(addr, timeout=5) as c:
+            fut = c.send_request("embed", [1, 2], rid="x")
+            for _ in range(500):
+                if r.poll(0, zmq.POLLIN):
+                    break
+                await asyncio.sleep(0.01)
+            ident, *_ = r.recv_multipart()
+            r.send_multipart([ident, msgpack.packb(7)])
+            r.send_multipart([ident, msgpack.packb({"v": 1, "type": "result", "rid": "x", "status": 200})])
+            assert (await c.wait("x", fut, 5)).status == 200
+    finally:
+        r.close(0)
