@@ -185,7 +185,7 @@ class Client:
         held = Held(self.shm_pool, self.ipc_pool, self.shm_prefix)
         try:
             header["mm_items"] = [held.item(f, frames) for f in features]
-            fut = self.send_raw(header, frames, rid=rid, never_sent=lambda: self._never_sent(rid))
+            fut = self.send_raw(header, frames, rid=rid, never_sent=held.never_sent if held else None)
         except BaseException:
             held.never_sent()
             raise
@@ -196,7 +196,8 @@ class Client:
     def send_raw(self, header: Any, frames: Sequence[Any] = (), rid: str | None = None,
                  packed: bytes | None = None, never_sent: Callable[[], None] | None = None) -> asyncio.Future | None:
         """Send a header (or pre-packed bytes) and frames; a future for ``rid``'s result if given;
-        ``never_sent`` runs if the client closes before ZeroMQ took the message."""
+        ``never_sent`` runs if the client closes before ZeroMQ took it (no server saw it: what
+        its features hold is ours to unlink; ``close`` then finds the locks already gone)."""
         fut = None
         if rid is not None:
             if rid in self._results:
@@ -206,12 +207,6 @@ class Client:
         body = packed if packed is not None else pack(header)
         self._io.send([body, *frames], never_sent=never_sent)
         return fut
-
-    def _never_sent(self, rid: str) -> None:
-        """Closed before ZeroMQ took the request: no server saw it, its segments are ours to unlink."""
-        held = self._held.pop(rid, None)
-        if held is not None:
-            held.never_sent()
 
     def give_up(self, rid: str) -> None:
         """Stop waiting for ``rid``'s result (its connection was replaced: no reply can come).
@@ -257,7 +252,7 @@ class Client:
         try:
             return await asyncio.wait_for(both(), timeout or self.timeout)
         finally:
-            self._io.drop(sent)
+            sent.cancel()  # (done: nothing; still waiting in the client: never sent)
 
     # ------------------------------------------------------------ the reader
     def _route(self, frames: list, at: float) -> None:

@@ -37,8 +37,8 @@ class ClientSocket:
     def send(self, frames: Sequence[Any], track: bool = False,
              never_sent: Callable[[], None] | None = None) -> asyncio.Future | None:
         """Send ``frames`` as one message now, or after what waits; ``track``: a future done
-        once ZeroMQ has taken it (``drop`` it to give up a message still waiting);
-        ``never_sent``: called if ``close`` comes while it still waits here."""
+        once ZeroMQ has taken it (cancel it, as a deadline around ``await`` does, and a message
+        still waiting here is never sent); ``never_sent``: called if ``close`` comes first."""
         if not self._unsent:
             try:
                 _send_now(self.sock, frames)
@@ -51,14 +51,6 @@ class ClientSocket:
         self._unsent.append((frames, sent, never_sent))
         self._check.set()
         return sent
-
-    def drop(self, sent: asyncio.Future | None) -> None:
-        """A tracked message still waiting is not sent at all (its sender gave up on it; a
-        timeout around ``await sent`` has cancelled ``sent`` already)."""
-        if sent is not None and any(e[1] is sent for e in self._unsent):
-            self._unsent = deque(e for e in self._unsent if e[1] is not sent)
-        if sent is not None:
-            sent.cancel()
 
     def close(self) -> None:
         """Nothing waiting will be sent: wake whoever tracks it (cancelled), and say so."""
@@ -98,7 +90,7 @@ class ClientSocket:
         went = False
         while self._unsent:
             frames, sent, _ = self._unsent[0]
-            if sent is not None and sent.cancelled():  # given up: never sent
+            if sent is not None and sent.cancelled():  # its sender gave up on it: never sent
                 self._unsent.popleft()
                 continue
             try:

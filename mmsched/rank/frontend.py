@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 
 from ..auth import claim_ipc, ipc_identity, ipc_lost, remove_ipc, restrict_ipc, secure_frontend
+from ..client_socket import EVENTS, NOBLOCK, POLLIN, SNDMORE_NOBLOCK  # plain ints, not pyzmq's enums
 from ..config import Config
 from ..descriptors import connections_at_most
 from ..errors import ConfigError, describe
@@ -21,9 +22,6 @@ from ..protocol import INTERNAL, pack, result
 from .connections import ConnectionBound
 
 Handler = Callable[[list], None]
-# plain ints: pyzmq's flag enums cost a few microseconds per operation on the request path
-NOBLOCK, SNDMORE_NOBLOCK, POLLIN = int(zmq.NOBLOCK), int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.POLLIN)
-EVENTS = int(zmq.EVENTS)
 # pyzmq's own send, under its Python wrapper (which only adds routing_id and group, for draft
 # socket types): two sends per answer, ~0.4 us each saved on the leader's loop
 _send = zmq.backend.Socket.send
