@@ -50,7 +50,8 @@ pytestmark = [
 # root reads): the ranks open its 0600 segments as that uid.
 CLIENT = """
 import asyncio, json, os, sys
-from mmsched.client import Client, shm
+from mmsched.client import Client, pooled, shm
+from mmsched.producers import ShmPool
 from tests.integration.lifecycle import feature, sha256_of
 
 uid = int(sys.argv[2])
@@ -60,10 +61,15 @@ os.setuid(uid)
 
 async def main():
     x = feature(15, shape=(64, 256))
-    async with Client(sys.argv[1], timeout=60) as c:
-        r = await c.embed([1, 2, 3], [shm(x)], want_digest=True)
-    print(json.dumps({"status": r.status, "message": r.message,
-                      "digests": r.meta.get("digests"), "sent": sha256_of(x)}))
+    pool = ShmPool(1 << 20)  # a pooled feature: read through the guarded copy where it is built
+    try:
+        async with Client(sys.argv[1], timeout=60, shm_pool=pool) as c:
+            r = await c.embed([1, 2, 3], [shm(x)], want_digest=True)
+            p = await c.embed([1, 2, 3], [pooled(x)], want_digest=True)
+    finally:
+        pool.close()
+    print(json.dumps({"status": [r.status, p.status], "message": [r.message, p.message],
+                      "digests": [r.meta.get("digests"), p.meta.get("digests")], "sent": sha256_of(x)}))
 
 asyncio.run(main())
 """
@@ -248,10 +254,15 @@ def test_the_image_serves_a_host_client_and_drains(image, compose, box, run_dir,
                                 env=env, capture_output=True, text=True, timeout=120)
         assert client.returncode == 0, client.stderr
         got = json.loads(client.stdout)
-        say(f"[{config}] host client (uid {uid}) shm request: status {got['status']}, "
-            f"ranks' digests {[d[:12] for d in got['digests'] or []]}, sent {got['sent'][:12]}")
-        assert got["status"] == 200, got["message"]
-        assert got["digests"] == [got["sent"]], "the ranks read other bytes than the client wrote"
+        say(f"[{config}] host client (uid {uid}) shm and pooled requests: status {got['status']}, "
+            f"ranks' digests {[[d[:12] for d in ds or []] for ds in got['digests']]}, sent {got['sent'][:12]}")
+        assert got["status"] == [200, 200], got["message"]
+        assert got["digests"] == [[got["sent"]]] * 2, "the ranks read other bytes than the client wrote"
+
+        # the wheel stage's compiler: pooled segments are read with the guarded copy, not pread
+        guarded = srv.exec(["python", "-c", "import mmsched.transport._guarded_copy as g; print(g.__file__)"])
+        say(f"[{config}] guarded copy inside: {(guarded.stdout or guarded.stderr).strip().splitlines()[-1:]}")
+        assert guarded.returncode == 0, f"the image has no guarded copy (its wheel stage found no compiler):\n{guarded.stderr}"
 
         check = service["healthcheck"]["test"]
         assert check[0] == "CMD"

@@ -90,6 +90,10 @@ def test_every_path_it_names_exists_in_the_repo(compose):
     with open(os.path.join(REPO, "docker", "Dockerfile")) as fh:
         dockerfile = fh.read()
     for line in re.findall(r"^COPY (.+)$", dockerfile, re.M):
+        if line.startswith("--from="):  # out of an earlier stage: that stage must exist
+            stage = line.split()[0].removeprefix("--from=")
+            assert re.search(rf"^FROM \S+ AS {stage}$", dockerfile, re.M), f"Dockerfile copies from no stage {stage}"
+            continue
         for src in line.split()[:-1]:
             assert os.path.exists(os.path.join(REPO, src)), f"Dockerfile copies missing {src}"
 
