@@ -46,11 +46,14 @@ soak: install
 # (no registry for python:3.11-slim, no torch index): BASE_IMAGE=mmsched-base:bookworm from
 # docker/base-image.sh, and TORCH_WHEELS=DIR, a directory holding the torch wheel. PIP_CERT
 # (pip's own variable, taken from the environment): a CA bundle the build's pip trusts.
+# ALLOW_NO_GUARDED_COPY=1: build even where no C compiler can be installed (pooled segments
+# then read with pread; otherwise such a build fails).
 IMAGE           ?= mmsched:latest
 BASE_IMAGE      ?=
 TORCH_INDEX_URL ?=
 TORCH_WHEELS    ?=
 PIP_CERT        ?=
+ALLOW_NO_GUARDED_COPY ?=
 comma           := ,
 ENGINE          ?= $(shell if docker info >/dev/null 2>&1; then echo docker; elif command -v podman >/dev/null; then echo podman; fi)
 # podman builds in a chroot: no OCI runtime (cgroups, rlimits) needed, so it builds in sandboxes too
@@ -62,6 +65,7 @@ image:
 	  $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) \
 	  $(if $(TORCH_INDEX_URL),--build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL)) \
 	  $(if $(TORCH_WHEELS),--build-context torch-wheels=$(TORCH_WHEELS)) \
+	  $(if $(ALLOW_NO_GUARDED_COPY),--build-arg ALLOW_NO_GUARDED_COPY=1) \
 	  $(if $(PIP_CERT),--secret id=pip-cert$(comma)src=$(PIP_CERT)) .
 
 # Builds the image, then serves from it as compose would and drives it from this host
@@ -69,7 +73,7 @@ image:
 image-test: install
 	@test -n "$(ENGINE)" || { echo "make image-test: needs docker with a running daemon, or podman (apt-get install podman)" >&2; exit 1; }
 	MMSCHED_IMAGE_TEST=1 IMAGE=$(IMAGE) ENGINE=$(ENGINE) BASE_IMAGE=$(BASE_IMAGE) \
-	  TORCH_INDEX_URL=$(TORCH_INDEX_URL) TORCH_WHEELS=$(TORCH_WHEELS) \
+	  TORCH_INDEX_URL=$(TORCH_INDEX_URL) TORCH_WHEELS=$(TORCH_WHEELS) ALLOW_NO_GUARDED_COPY=$(ALLOW_NO_GUARDED_COPY) \
 	  $(BIN)/python -m pytest -q -s -m slow tests/image $(ARGS)
 
 clean:

@@ -260,9 +260,11 @@ def test_the_image_serves_a_host_client_and_drains(image, compose, box, run_dir,
         assert got["digests"] == [[got["sent"]]] * 2, "the ranks read other bytes than the client wrote"
 
         # the wheel stage's compiler: pooled segments are read with the guarded copy, not pread
+        # (unless the build was told to accept an image without it)
         guarded = srv.exec(["python", "-c", "import mmsched.transport._guarded_copy as g; print(g.__file__)"])
         say(f"[{config}] guarded copy inside: {(guarded.stdout or guarded.stderr).strip().splitlines()[-1:]}")
-        assert guarded.returncode == 0, f"the image has no guarded copy (its wheel stage found no compiler):\n{guarded.stderr}"
+        assert guarded.returncode == 0 or os.environ.get("ALLOW_NO_GUARDED_COPY"), \
+            f"the image has no guarded copy (its wheel stage found no compiler):\n{guarded.stderr}"
 
         check = service["healthcheck"]["test"]
         assert check[0] == "CMD"
