@@ -63,6 +63,18 @@ def wait_until(cond, timeout: float, what: str, step: float = 0.05):
         time.sleep(step)
 
 
+async def until(predicate, what: str, timeout: float = 15.0, every: float = 0.02):
+    """``wait_until`` inside a coroutine: the loop runs on while it waits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout}s: {what}")
+        await asyncio.sleep(every)
+
+
 async def while_stopped(pid: int, request) -> tuple[Result, float]:
     """``request`` (a coroutine, not yet awaited) run while process ``pid`` is stopped
     (SIGSTOP; SIGCONT whatever happens): its result and the seconds it took."""

@@ -13,6 +13,7 @@ import zmq
 
 from mmsched.config import Config
 from mmsched.rank.frontend import Frontend
+from tests.integration.lifecycle import until
 
 
 def client(fe: Frontend, opened: list, rcvhwm: int = 1000) -> zmq.Socket:
@@ -22,13 +23,6 @@ def client(fe: Frontend, opened: list, rcvhwm: int = 1000) -> zmq.Socket:
     s.connect(fe.address)
     opened.append(s)
     return s
-
-
-async def until(cond, timeout: float = 3.0) -> bool:
-    end = time.monotonic() + timeout
-    while not cond() and time.monotonic() < end:
-        await asyncio.sleep(0.005)
-    return cond()
 
 
 def run(tmp_path, body, **cfg) -> None:
@@ -57,15 +51,15 @@ def test_a_request_that_arrives_during_a_burst_of_sends_is_read(tmp_path):
     async def body(fe, opened, received):
         busy, late = client(fe, opened), client(fe, opened)
         busy.send(b"hello")
-        assert await until(lambda: len(received) == 1)
+        await until(lambda: len(received) == 1, "the request read", timeout=3.0, every=0.005)
         who = received[0][0]
         for rnd in range(10):
             late.send(msgpack.packb({"rid": f"late{rnd}"}))
             time.sleep(0.02)  # no yield: it arrives, and its signal waits on the FD, while we send
             for i in range(100):
                 fe.send_to_clients(who, {"type": "result", "rid": f"{rnd}.{i}"})
-            assert await until(lambda: len(received) == 2 + rnd, timeout=2.0), \
-                f"round {rnd}: the request sent during the burst was never read"
+            await until(lambda: len(received) == 2 + rnd,
+                        f"round {rnd}: the request sent during the burst to be read", timeout=2.0, every=0.005)
         assert [msgpack.unpackb(m[1])["rid"] for m in received[1:]] == [f"late{r}" for r in range(10)]
         rids = []
         while busy.poll(1000):
@@ -85,7 +79,7 @@ def test_a_client_that_reads_nothing_does_not_block_the_loop(tmp_path):
         stuck, other = client(fe, opened, rcvhwm=1), client(fe, opened)
         stuck.send(b"stuck")
         other.send(b"other")
-        assert await until(lambda: len(received) == 2)
+        await until(lambda: len(received) == 2, "both requests read", timeout=3.0, every=0.005)
         who = {payload: identity for identity, payload in received}  # they may arrive in either order
         big = "x" * (256 << 10)  # a few of these fill the socket buffers behind a high-water mark of 1
         t0 = time.monotonic()

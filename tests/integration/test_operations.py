@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mmsched.client import Client, raw
 from mmsched.producers import create_segment
 from tests.conftest import free_port, PREFIX, Server, shm_segments, sync_ping
+from tests.integration.lifecycle import until
 
 # ---------------------------------------------------------------- helpers
 
@@ -58,13 +59,6 @@ def send(c: Client, rid: str, items_and_segs: list, ids=(1, 2, 3)) -> asyncio.Fu
     for _, seg in items_and_segs:
         seg.sent()
     return fut
-
-
-async def until(predicate, what: str, timeout: float = 15.0, every: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        await asyncio.sleep(every)
 
 
 async def wait_exit(srv: Server, timeout: float = 60.0) -> int:

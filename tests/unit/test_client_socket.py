@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from mmsched.client_socket import ClientSocket
+from tests.integration.lifecycle import until
 
 
 @contextlib.contextmanager
@@ -66,13 +67,6 @@ async def _reading(addr: str, handle):
         sock.close(0)
 
 
-async def _until(check, seconds: float = 10) -> None:
-    for _ in range(int(seconds * 100)):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-
-
 async def test_what_waits_for_a_server_goes_out_in_order_once_it_is_there(tmp_path):
     replies: list = []
     async with _reading(f"ipc://{tmp_path}/late", lambda frames, at: replies.append((frames, at))) as io:
@@ -81,7 +75,7 @@ async def test_what_waits_for_a_server_goes_out_in_order_once_it_is_there(tmp_pa
         assert not any(t.done() for t in tracked if t is not None), "sent with no server to take it"
         got: list = []
         with _echo_thread(f"ipc://{tmp_path}/late", got):
-            await _until(lambda: len(replies) == 50)
+            await until(lambda: len(replies) == 50, "the 50 replies", timeout=10)
         assert got == [[b"m%d" % i, b"part2"] for i in range(50)]
         assert all(t.done() and not t.cancelled() for t in tracked if t is not None)
         assert [f for f, _ in replies] == [[b"m%d|part2" % i] for i in range(50)]
@@ -98,7 +92,7 @@ async def test_a_message_given_up_is_never_sent(tmp_path):
         assert first.cancelled()
         got: list = []
         with _echo_thread(addr, got):
-            await _until(lambda: len(replies) == 1)
+            await until(lambda: len(replies) == 1, "the one reply", timeout=10)
         assert got == [[b"kept"]] and replies == [[b"kept"]]
 
 
@@ -114,7 +108,7 @@ async def test_a_tracked_message_whose_sender_timed_out_is_never_sent(tmp_path):
         io.send([b"kept"])
         got: list = []
         with _echo_thread(addr, got):
-            await _until(lambda: len(replies) == 1)
+            await until(lambda: len(replies) == 1, "the one reply", timeout=10)
         assert got == [[b"kept"]] and replies == [[b"kept"]]
 
 
